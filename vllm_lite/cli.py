@@ -1,0 +1,81 @@
+"""`vllm-lite` command line: `generate` (offline), `bench throughput`, and `serve` (coming)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from vllm_lite.config import EngineArgs
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate text offline for one or more prompts")
+    EngineArgs.add_cli_args(p)
+    p.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
+    p.add_argument("--chat", action="store_true", help="send each prompt as a user chat message")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
+    p.set_defaults(func=_run_generate)
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from vllm_lite.engine_core.llm import LLM
+    from vllm_lite.protocol.sampling_params import SamplingParams
+
+    engine_args = EngineArgs.from_cli_args(args)
+    llm = LLM(**vars(engine_args))
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        seed=args.sampling_seed,
+    )
+    if args.chat:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params)
+    else:
+        outputs = llm.generate(args.prompt, params)
+    for prompt, out in zip(args.prompt, outputs):
+        print(f"--- {prompt!r}\n{out.outputs[0].text}")
+    return 0
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (not yet available)")
+    p.add_argument("model", nargs="?")
+    p.set_defaults(func=lambda args: _not_yet("serve", "the OpenAI-compatible server"))
+
+
+def _not_yet(command: str, what: str) -> int:
+    print(f"vllm-lite {command}: {what} is not yet supported in this version; "
+          "use `vllm-lite generate` or the Python `LLM` class", file=sys.stderr)
+    return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vllm-lite", description="vllm-lite: a data-parallel LLM engine")
+    parser.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_serve(sub)
+    _add_generate(sub)
+    bench = sub.add_parser("bench", help="benchmarks that report ratios measured side by side")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    from vllm_lite.bench import throughput
+
+    throughput.add_parser(bench_sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args) or 0
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""EngineCore: one DP rank's scheduler and executor; `step()` is schedule -> execute -> update."""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+
+from vllm_lite.config import EngineConfig
+from vllm_lite.engine_core.executor import Executor, UniProcExecutor
+from vllm_lite.engine_core.request import Request
+from vllm_lite.engine_core.scheduler import Scheduler, SchedulerStats
+from vllm_lite.protocol.messages import EngineCoreOutput, EngineCoreRequest
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    """Continuous batching over a paged KV cache, driven one `step()` at a time."""
+
+    def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
+        self.config = config
+        mc = config.model_config
+        self.eos_token_ids = mc.eos_token_ids
+        self.executor = executor or UniProcExecutor(config, self.eos_token_ids)
+        self.num_kv_blocks = self.executor.determine_num_kv_blocks()
+        self.executor.initialize_kv_cache(self.num_kv_blocks)
+        self.scheduler = Scheduler(config.scheduler_config, config.cache_config, self.num_kv_blocks)
+        # Unseeded requests draw their seed here: reproducible for one --seed, distinct per request.
+        self._seed_rng = random.Random(mc.seed)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Validate and queue a request; raises ValueError for anything it cannot serve."""
+        self.validate_prompt(request.prompt_token_ids)
+        params = request.sampling_params
+        if params.n != 1:
+            raise ValueError("EngineCore takes n=1 requests; the client fans out n>1 into n requests")
+        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        self.scheduler.add_request(
+            Request(
+                req_id=request.req_id,
+                prompt_token_ids=list(request.prompt_token_ids),
+                sampling_params=params,
+                sampling_seed=seed,
+                eos_token_ids=tuple(self.eos_token_ids),
+                arrival_time=request.arrival_time or time.monotonic(),
+                max_model_len=self.config.scheduler_config.max_model_len,
+            )
+        )
+
+    def validate_prompt(self, token_ids: list[int]) -> None:
+        """Reject empty, out-of-vocabulary or too long prompts with a clear message."""
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.config.model_config.vocab_size
+        bad = [t for t in token_ids if not (isinstance(t, int) and 0 <= t < vocab)]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
+        limit = self.config.scheduler_config.max_model_len
+        if len(token_ids) >= limit:
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens but max_model_len is {limit}; "
+                "it must leave room for at least one generated token"
+            )
+
+    def abort_requests(self, req_ids: list[str]) -> list[EngineCoreOutput]:
+        """Abort requests and free their KV blocks at once."""
+        return self.scheduler.abort_requests(req_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[EngineCoreOutput]:
+        """Schedule, run the model once, and return the new tokens of every request that got one."""
+        if not self.scheduler.has_unfinished_requests():
+            return []
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.executor.execute_model(scheduler_output)
+        return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def get_stats(self) -> SchedulerStats:
+        return self.scheduler.get_stats()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

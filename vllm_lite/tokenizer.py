@@ -1,0 +1,30 @@
+"""Tokenizer loading (local files only) and chat-template rendering."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_lite.config import ModelConfig, resolve_model
+
+
+def load_tokenizer(model_config: ModelConfig) -> Any:
+    """The model's HF tokenizer: from --tokenizer if given, else from the model's own files."""
+    from transformers import AutoTokenizer
+
+    source = resolve_model(model_config.tokenizer) if model_config.tokenizer else model_config.source
+    return AutoTokenizer.from_pretrained(source.directory, **source.from_pretrained_kwargs())
+
+
+def apply_chat_template(
+    tokenizer: Any, messages: list[dict[str, Any]], chat_template: str | None = None
+) -> list[int]:
+    """Render chat messages with the model's (or the given) template, ready for generation."""
+    if chat_template is None and not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model has no chat template; pass one with --chat-template")
+    ids = tokenizer.apply_chat_template(
+        messages, chat_template=chat_template, add_generation_prompt=True, tokenize=True
+    )
+    # transformers 5 returns a BatchEncoding-like mapping where 4.x returned a list.
+    if hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return list(ids)

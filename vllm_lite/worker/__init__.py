@@ -1,0 +1,1 @@
+"""vllm_lite.worker"""

@@ -1,0 +1,339 @@
+"""Batched per-request sampling: penalties, temperature, top-k/top-p/min-p, seeded inverse-CDF draws.
+
+Each row is sampled as if it were alone: every filter works per row, and the one uniform number a
+row consumes is a pure function of (seed, position), so seeded sampling reproduces regardless of
+the batch around it and after a recomputation (preemption). Work is done only for the rows that
+need it; an all-greedy batch with nothing else to do is a single argmax.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from vllm_lite.protocol.sampling_params import SamplingParams
+from vllm_lite.protocol.step import SampleLogprobs
+
+_MASK64 = 2**64 - 1
+# Top-p first looks for its cutoff among this many candidates (topk is far cheaper than a full sort
+# on a CPU); rows whose nucleus is larger retry with more candidates, then a full sort.
+_TOP_P_CANDIDATES = (256, 4096)
+# Block size of the two-level inverse CDF: block sums are one cheap reduction, and only the chosen
+# block of each row is scanned, instead of a cumulative sum over the whole vocabulary.
+_CDF_BLOCK = 256
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def uniform_for(seed: int, position: int) -> float:
+    """The uniform number in [0, 1) that a row with this seed uses at this output position.
+
+    24 bits, so that it is exactly representable in float32 on any device (and stays below 1).
+    """
+    return (_splitmix64(_splitmix64(seed & _MASK64) ^ position) >> 40) * 2.0**-24
+
+
+@dataclass(frozen=True)
+class SamplingRow:
+    """What the sampler needs to know about one request in this step."""
+
+    params: SamplingParams
+    seed: int  # resolved seed of the request (never None here)
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]  # generated so far; len() is the position being sampled now
+
+
+@dataclass
+class SamplerOutput:
+    """One sampled token per row and, where asked for, its logprobs."""
+
+    token_ids: list[int]
+    logprobs: list[SampleLogprobs | None]
+
+
+@dataclass
+class _Penalties:
+    rows: torch.Tensor  # [P] batch rows that have any penalty
+    repetition: torch.Tensor | None  # [P, 1], None when every row has 1.0
+    frequency: torch.Tensor  # [P, 1]
+    presence: torch.Tensor  # [P, 1]
+    output_tokens: tuple[torch.Tensor, torch.Tensor]  # (index into rows, token id), one per token
+    prompt_tokens: tuple[torch.Tensor, torch.Tensor]  # the same, only for repetition-penalized rows
+
+
+@dataclass
+class _Filters:
+    rows: torch.Tensor | None  # [F] indices into the sampled rows; None means all of them
+    top_k: torch.Tensor  # [F, 1] long; vocab_size where disabled
+    top_p: torch.Tensor  # [F, 1]; 1.0 where disabled
+    min_p: torch.Tensor | None  # [F, 1]; None when no row uses it
+    first_candidates: int  # 0 when no row uses top-k or top-p
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-step sampling tensors, built once by the model runner with `build`."""
+
+    num_rows: int
+    vocab_size: int
+    argmax_only: bool  # every row greedy, nothing else to do: the fast path
+    greedy_rows: torch.Tensor | None
+    sample_rows: torch.Tensor | None
+    all_sampled: bool
+    temperature: torch.Tensor | None  # [S, 1]; None when every sampled row has 1.0
+    uniforms: torch.Tensor  # [S] float32
+    filters: _Filters | None
+    penalties: _Penalties | None
+    suppressed: tuple[torch.Tensor, torch.Tensor] | None  # (row, token) pairs set to -inf
+    logprob_rows: list[int]
+    logprob_counts: list[int]
+
+    @classmethod
+    def build(
+        cls, rows: list[SamplingRow], vocab_size: int, eos_token_ids: Sequence[int], device: torch.device
+    ) -> SamplingMetadata:
+        """Gather the per-row parameters into device tensors; rows[i] is row i of the logits."""
+        V = vocab_size
+        greedy, sampled, temps, uniforms = [], [], [], []
+        f_rows, f_k, f_p, f_min_p = [], [], [], []
+        sup_r, sup_t = [], []
+        pen_rows, rep, freq, pres, out_r, out_t, prompt_r, prompt_t = [], [], [], [], [], [], [], []
+        lp_rows, lp_counts = [], []
+        for i, row in enumerate(rows):
+            sp = row.params
+            pos = len(row.output_token_ids)
+            if pos < sp.min_tokens:
+                ids = {t for t in (*eos_token_ids, *sp.stop_token_ids) if 0 <= t < V}
+                sup_r += [i] * len(ids)
+                sup_t += ids
+            if sp.repetition_penalty != 1.0 or sp.frequency_penalty != 0.0 or sp.presence_penalty != 0.0:
+                j = len(pen_rows)
+                pen_rows.append(i)
+                rep.append(sp.repetition_penalty)
+                freq.append(sp.frequency_penalty)
+                pres.append(sp.presence_penalty)
+                out_r += [j] * len(row.output_token_ids)
+                out_t += row.output_token_ids
+                if sp.repetition_penalty != 1.0:
+                    prompt_r += [j] * len(row.prompt_token_ids)
+                    prompt_t += row.prompt_token_ids
+            if sp.logprobs is not None:
+                lp_rows.append(i)
+                lp_counts.append(sp.logprobs)
+            if sp.is_greedy:
+                greedy.append(i)
+                continue
+            k = sp.top_k if 0 < sp.top_k < V else V
+            if k < V or sp.top_p < 1.0 or sp.min_p > 0.0:
+                f_rows.append(len(sampled))
+                f_k.append(k)
+                f_p.append(sp.top_p)
+                f_min_p.append(sp.min_p)
+            sampled.append(i)
+            temps.append(sp.temperature)
+            uniforms.append(uniform_for(row.seed, pos))
+
+        def tensor(values: list, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        def column(values: list, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+            return tensor(values, dtype).unsqueeze(1)
+
+        def pairs(r: list[int], t: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+            rt, tt = tensor(r, torch.long), tensor(t, torch.long)
+            ok = (tt >= 0) & (tt < V)  # prompt ids beyond the model's vocabulary carry no logit
+            return rt[ok], tt[ok]
+
+        filters = None
+        if f_rows:
+            uses_k = [k for k in f_k if k < V]
+            first = max(uses_k + [_TOP_P_CANDIDATES[0]] * any(p < 1.0 for p in f_p), default=0)
+            filters = _Filters(
+                rows=None if len(f_rows) == len(sampled) else tensor(f_rows, torch.long),
+                top_k=column(f_k, torch.long),
+                top_p=column(f_p),
+                min_p=column(f_min_p) if any(m > 0.0 for m in f_min_p) else None,
+                first_candidates=min(first, V),
+            )
+        penalties = None
+        if pen_rows:
+            penalties = _Penalties(
+                rows=tensor(pen_rows, torch.long),
+                repetition=column(rep) if any(r != 1.0 for r in rep) else None,
+                frequency=column(freq),
+                presence=column(pres),
+                output_tokens=pairs(out_r, out_t),
+                prompt_tokens=pairs(prompt_r, prompt_t),
+            )
+        return cls(
+            num_rows=len(rows),
+            vocab_size=V,
+            argmax_only=not sampled and not sup_r and not pen_rows and not lp_rows,
+            greedy_rows=tensor(greedy, torch.long) if greedy else None,
+            sample_rows=tensor(sampled, torch.long) if sampled else None,
+            all_sampled=len(sampled) == len(rows),
+            temperature=column(temps) if any(t != 1.0 for t in temps) else None,
+            uniforms=tensor(uniforms),
+            filters=filters,
+            penalties=penalties,
+            suppressed=(tensor(sup_r, torch.long), tensor(sup_t, torch.long)) if sup_r else None,
+            logprob_rows=lp_rows,
+            logprob_counts=lp_counts,
+        )
+
+
+class Sampler:
+    """Picks one token per row of the logits; never modifies the logits it is given."""
+
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        """Sample from `logits` [num_rows, vocab_size]; row i follows the parameters of row i."""
+        if meta.argmax_only:
+            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * meta.num_rows)
+        raw_logprobs = None
+        if meta.logprob_rows:  # reported from the raw model distribution, before any processing
+            raw = logits if len(meta.logprob_rows) == meta.num_rows else logits[meta.logprob_rows]
+            raw_logprobs = torch.log_softmax(raw, dim=-1, dtype=torch.float32)
+        work = logits
+        if meta.suppressed is not None or meta.penalties is not None:
+            work = logits.clone()
+            if meta.suppressed is not None:
+                work.index_put_(meta.suppressed, torch.tensor(float("-inf"), device=work.device))
+            if meta.penalties is not None:
+                _apply_penalties(work, meta.penalties)
+
+        if meta.greedy_rows is None:
+            token_ids = _sample(work if meta.all_sampled else work[meta.sample_rows], meta)
+        elif meta.sample_rows is None:
+            token_ids = work.argmax(dim=-1)
+        else:
+            token_ids = torch.empty(meta.num_rows, dtype=torch.long, device=work.device)
+            token_ids[meta.greedy_rows] = work[meta.greedy_rows].argmax(dim=-1)
+            token_ids[meta.sample_rows] = _sample(work[meta.sample_rows], meta)
+        logprobs: list[SampleLogprobs | None] = [None] * meta.num_rows
+        if raw_logprobs is not None:
+            rows = meta.logprob_rows
+            for row, entry in zip(
+                rows, _gather_logprobs(raw_logprobs, token_ids[rows], meta.logprob_counts), strict=True
+            ):
+                logprobs[row] = entry
+        return SamplerOutput(token_ids.tolist(), logprobs)
+
+
+def _apply_penalties(logits: torch.Tensor, pen: _Penalties) -> None:
+    """Repetition (HF: prompt + output), then frequency and presence (OpenAI: output only)."""
+    x = logits[pen.rows]
+    counts = torch.zeros_like(x)
+    counts.index_put_(pen.output_tokens, torch.ones((), dtype=x.dtype, device=x.device), accumulate=True)
+    if pen.repetition is not None:
+        seen = counts > 0
+        seen[pen.prompt_tokens] = True
+        x = torch.where(seen, torch.where(x > 0, x / pen.repetition, x * pen.repetition), x)
+    x -= pen.frequency * counts + pen.presence * (counts > 0).to(x.dtype)
+    logits[pen.rows] = x
+
+
+def _sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Temperature, filters and one inverse-CDF draw per row, for the non-greedy rows."""
+    if meta.temperature is not None:
+        logits = logits / meta.temperature
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # a fresh tensor: safe to edit in place
+    if meta.filters is not None:
+        _apply_filters(probs, meta.filters)
+    return _inverse_cdf(probs, meta.uniforms)
+
+
+def _apply_filters(probs: torch.Tensor, f: _Filters) -> None:
+    """Zero what top-k, top-p (on the top-k renormalized distribution) and min-p reject.
+
+    Each of them keeps the tokens whose probability reaches a per-row threshold, so they combine
+    into one threshold (the largest) and one masking pass; ties at a threshold are all kept.
+    """
+    p = probs if f.rows is None else probs[f.rows]
+    threshold = torch.zeros_like(f.top_p)
+    if f.first_candidates:
+        threshold = _top_k_top_p_threshold(p, f)
+    if f.min_p is not None:
+        threshold = torch.maximum(threshold, f.min_p * p.amax(dim=-1, keepdim=True))
+    p.masked_fill_(p < threshold, 0.0)
+    if f.rows is not None:
+        probs[f.rows] = p
+
+
+def _top_k_top_p_threshold(p: torch.Tensor, f: _Filters) -> torch.Tensor:
+    """Smallest kept probability per row, searched among ever more candidates until it is found."""
+    V = p.shape[-1]
+    threshold = torch.zeros_like(f.top_p)
+    pending = torch.arange(p.shape[0], device=p.device)
+    ladder = [f.first_candidates] + [c for c in _TOP_P_CANDIDATES if f.first_candidates < c < V] + [V]
+    for step, k in enumerate(dict.fromkeys(ladder)):  # ordered and without repeats
+        rows = p if step == 0 else p[pending]
+        top_k, top_p = f.top_k[pending], f.top_p[pending]
+        vals = rows.topk(k, dim=-1).values  # descending
+        # Prefix sums are only compared with each other: the same prefix gives the same cutoff
+        # whatever k is, so a row's result does not depend on the candidate count.
+        cum = vals.cumsum(dim=-1)
+        total = torch.where(top_k >= V, rows.sum(-1, keepdim=True), cum.gather(1, top_k.clamp(max=k) - 1))
+        in_k = torch.arange(k, device=p.device) < top_k
+        keep = in_k & ((cum - vals < top_p * total) | (top_p >= 1.0))
+        row_thr = vals.gather(1, keep.sum(-1, keepdim=True).clamp(min=1) - 1)
+        row_thr = torch.where((top_k >= V) & (top_p >= 1.0), 0.0, row_thr)  # min-p-only rows
+        # Found when the row's top-k set lies within the candidates, or the nucleus ends inside them.
+        found = ((top_k <= k) | ((top_k >= V) & (cum[:, -1:] >= top_p * total))).squeeze(1)
+        threshold[pending[found]] = row_thr[found]
+        pending = pending[~found]
+        if pending.numel() == 0:
+            break
+    return threshold
+
+
+def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """First token whose cumulative (unnormalized) probability exceeds u * total, per row.
+
+    Two levels: block sums locate the block, then a cumulative sum inside that block alone.
+    """
+    S, V = probs.shape
+    B = min(_CDF_BLOCK, V)
+    nb = V // B
+    sums = probs[:, : nb * B].reshape(S, nb, B).sum(-1)
+    if nb * B < V:
+        sums = torch.cat([sums, probs[:, nb * B :].sum(-1, keepdim=True)], dim=-1)
+    cum_blocks = sums.cumsum(dim=-1)
+    total = cum_blocks[:, -1:]
+    # Stay strictly below the total: rounding must never step past the last token with mass.
+    target = torch.minimum(uniforms.unsqueeze(1) * total, total * (1.0 - 2.0**-23))
+    block = torch.searchsorted(cum_blocks, target, right=True).clamp(max=sums.shape[1] - 1)
+    before = torch.where(block > 0, cum_blocks.gather(1, (block - 1).clamp(min=0)), 0.0)
+    idx = block * B + torch.arange(B, device=probs.device)
+    in_vocab = idx < V
+    inner = torch.where(in_vocab, probs.gather(1, idx.clamp(max=V - 1)), 0.0).cumsum(dim=-1)
+    local = torch.searchsorted(inner, target - before, right=True)
+    # The block sum and the in-block cumsum round differently; never go past the block's last mass.
+    local = torch.minimum(local, (inner < inner[:, -1:]).sum(-1, keepdim=True))
+    return (block * B + local).squeeze(1).clamp(max=V - 1)
+
+
+def _gather_logprobs(
+    logprobs: torch.Tensor, token_ids: torch.Tensor, counts: list[int]
+) -> list[SampleLogprobs]:
+    """The sampled token's logprob and 1-based rank, and the top-N alternatives, per row."""
+    token_lp = logprobs.gather(1, token_ids.unsqueeze(1))
+    # Rank 1 + number of strictly more likely tokens: tied tokens share the best rank.
+    ranks = ((logprobs > token_lp).sum(-1) + 1).tolist()
+    top_vals: list[list[float]] = [[] for _ in counts]
+    top_ids: list[list[int]] = [[] for _ in counts]
+    if max(counts) > 0:
+        top = logprobs.topk(max(counts), dim=-1)
+        top_vals, top_ids = top.values.tolist(), top.indices.tolist()
+    return [
+        SampleLogprobs(token_id=t, logprob=lp, rank=r, top_token_ids=ids[:n], top_logprobs=vals[:n])
+        for t, lp, r, ids, vals, n in zip(
+            token_ids.tolist(), token_lp.squeeze(1).tolist(), ranks, top_ids, top_vals, counts, strict=True
+        )
+    ]
