@@ -123,7 +123,10 @@ def test_freed_cached_block_is_revived_and_counted_against_free_blocks() -> None
 
 def test_eviction_is_least_recently_freed_first() -> None:
     kv = KVCacheManager(num_blocks=4, block_size=BS, enable_prefix_caching=True)
-    reqs = [make_request(name, [base, base + 1, base + 2, base + 3]) for name, base in zip("abc", (10, 20, 30))]
+    reqs = [
+        make_request(name, [base, base + 1, base + 2, base + 3])
+        for name, base in zip("abc", (10, 20, 30), strict=True)
+    ]
     for req in reqs:
         compute(kv, req)
     for req in reqs:
@@ -171,6 +174,10 @@ def test_block_hash_is_chained_and_stable_across_processes() -> None:
         "print(h(h(None, [1, 2, 3, 4]), [5, 6, 7, 8]).hex())"
     )
     out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, env={"PYTHONHASHSEED": "123"}
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"PYTHONHASHSEED": "123"},
     )
     assert out.stdout.strip() == hash_block_tokens(root, [5, 6, 7, 8]).hex()

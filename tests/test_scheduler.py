@@ -146,12 +146,29 @@ def test_a_request_can_preempt_itself() -> None:
     runner = FakeRunner(BS)
     sched.add_request(make_request("a", 6))  # 2 blocks
     sched.add_request(make_request("b", 4))  # 1 block, then needs a second one to decode
+    sched.add_request(make_request("c", 4))  # no block left for it
     step(sched, runner)
     out, outputs = step(sched, runner)
     assert out.preempted_req_ids == ["b"] and out.num_scheduled_tokens == {"a": 1}
     assert [o.req_id for o in outputs] == ["a"]
-    assert sched.waiting[0].status == RequestStatus.PREEMPTED
+    # The preempted request goes back to the head of the queue, ahead of later arrivals.
+    assert [(r.req_id, r.status) for r in sched.waiting] == [
+        ("b", RequestStatus.PREEMPTED),
+        ("c", RequestStatus.WAITING),
+    ]
     run_to_completion(sched, runner)
+
+
+def test_no_admission_in_a_step_that_preempts() -> None:
+    # 3 blocks, a budget of 3 tokens: when b preempts itself, a 2-token chunk of it would fit again.
+    sched = make_scheduler(num_blocks=3, max_num_batched_tokens=3, enable_prefix_caching=False)
+    runner = FakeRunner(BS)
+    sched.add_request(make_request("a", 2))
+    sched.add_request(make_request("b", 1))
+    result = run_to_completion(sched, runner)
+    preempting = [s for s in result.steps if s.preempted_req_ids]
+    assert preempting and all(s.preempted_req_ids == ["b"] for s in preempting)
+    assert all(s.new_reqs == [] and s.num_scheduled_tokens == {"a": 1} for s in preempting)
 
 
 def test_abort_frees_blocks_at_once() -> None:
@@ -264,5 +281,5 @@ def test_stats_snapshot() -> None:
     sched.add_request(make_request("b", 8))
     step(sched, runner)
     stats = sched.get_stats()
-    assert (stats.num_running, stats.num_waiting, stats.kv_cache_usage) == (1, 1, 0.3)
+    assert (stats.num_running, stats.num_waiting, stats.kv_cache_usage) == (1, 1, 0.2)
     assert (stats.prefix_cache_queries, stats.prefix_cache_hits, stats.num_preemptions) == (8, 0, 0)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import importlib.util
 import json
 import os
@@ -77,8 +78,10 @@ def resolve_model(model: str) -> ModelSource:
     )
 
 
+@functools.lru_cache(maxsize=8)
 def load_hf_config(source: ModelSource) -> Any:
-    """The model's transformers `PretrainedConfig`, read from local files only."""
+    """The model's transformers `PretrainedConfig`, read from local files only (cached: reading a
+    GGUF's metadata through transformers takes seconds)."""
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(source.directory, **source.from_pretrained_kwargs())

@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
-from vllm_lite.config import ModelConfig, resolve_model
+from vllm_lite.config import ModelConfig, ModelSource, resolve_model
 
 
 def load_tokenizer(model_config: ModelConfig) -> Any:
     """The model's HF tokenizer: from --tokenizer if given, else from the model's own files."""
+    source = resolve_model(model_config.tokenizer) if model_config.tokenizer else model_config.source
+    return _load(source)
+
+
+@functools.lru_cache(maxsize=4)
+def _load(source: ModelSource) -> Any:
+    # Cached: building a tokenizer from GGUF metadata takes seconds. Tokenizers are not mutated.
     from transformers import AutoTokenizer
 
-    source = resolve_model(model_config.tokenizer) if model_config.tokenizer else model_config.source
     return AutoTokenizer.from_pretrained(source.directory, **source.from_pretrained_kwargs())
 
 

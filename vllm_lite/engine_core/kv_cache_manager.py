@@ -119,7 +119,9 @@ class KVCacheManager:
         if num_full <= start:
             return
         self._update_block_hashes(request)
-        for block, block_hash in zip(table[start:num_full], request.block_hashes[start:num_full]):
+        for block, block_hash in zip(
+            table[start:num_full], request.block_hashes[start:num_full], strict=True
+        ):
             self.pool.cache_block(block, block_hash)
         self._num_cached_blocks[request.req_id] = num_full
 

@@ -22,11 +22,12 @@ from dataclasses import dataclass
 from vllm_lite.config import CacheConfig, SchedulerConfig
 from vllm_lite.engine_core.kv_cache_manager import KVCacheManager
 from vllm_lite.engine_core.request import Request, RequestStatus
-from vllm_lite.protocol.messages import EngineCoreOutput, FinishReason
+from vllm_lite.protocol.messages import EngineCoreOutput
 from vllm_lite.protocol.step import (
     CachedRequestData,
     ModelRunnerOutput,
     NewRequestData,
+    SampleLogprobs,
     SchedulerOutput,
 )
 
@@ -46,7 +47,9 @@ class SchedulerStats:
 class Scheduler:
     """Decides each step which requests compute how many tokens, and applies the results."""
 
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_kv_blocks: int) -> None:
+    def __init__(
+        self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_kv_blocks: int
+    ) -> None:
         self.config = scheduler_config
         self.block_size = cache_config.block_size
         self.kv_cache_manager = KVCacheManager(
@@ -57,8 +60,8 @@ class Scheduler:
         self.max_seq_len = min(scheduler_config.max_model_len, num_kv_blocks * cache_config.block_size)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
-        # Kept in arrival order, so the last one is the first to preempt and is never a request
-        # already scheduled earlier in the same step.
+        # Kept in the order requests were added (FCFS), so the last one is the first to preempt
+        # and is never a request already scheduled earlier in the same step.
         self.running: list[Request] = []
         self._arrival_order: dict[str, int] = {}
         self._num_added = 0
@@ -260,7 +263,9 @@ class Scheduler:
         )
 
     @staticmethod
-    def _output(request: Request, new_token_ids: list[int], new_logprobs: list | None) -> EngineCoreOutput:
+    def _output(
+        request: Request, new_token_ids: list[int], new_logprobs: list[SampleLogprobs] | None
+    ) -> EngineCoreOutput:
         return EngineCoreOutput(
             req_id=request.req_id,
             new_token_ids=new_token_ids,

@@ -27,6 +27,9 @@ class TPContext:
             raise ValueError(f"invalid TP rank/size: rank={self.rank}, size={self.size}")
 
 
+SINGLE_RANK = TPContext()  # the default: no tensor parallelism (frozen, so one shared instance is safe)
+
+
 def divide(numerator: int, denominator: int, what: str = "size") -> int:
     """Exact division, with an error that names the quantity that does not split evenly."""
     if numerator % denominator:
