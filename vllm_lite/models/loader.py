@@ -30,7 +30,17 @@ def load_model(
         model_config.hf_config, tp=tp, dtype=dtype, device=device, max_model_len=model_config.max_model_len
     )
     model.load_weights(iter_weights(model_config.source, model, dtype))
+    process_weights_after_loading(model)
     return model.eval()
+
+
+def process_weights_after_loading(model: nn.Module) -> None:
+    """Let each layer derive its run-time form of the loaded weights (e.g. packed GEMM weights)."""
+    with torch.no_grad():
+        for module in model.modules():
+            hook = getattr(module, "process_weights_after_loading", None)
+            if callable(hook):
+                hook()
 
 
 def iter_weights(source: ModelSource, model: nn.Module, dtype: torch.dtype) -> Weights:

@@ -61,7 +61,7 @@ class SamplerOutput:
     logprobs: list[SampleLogprobs | None]
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Penalties:
     """Penalties as sparse edits: flat logit indices (row * vocab + token), each listed once."""
 
@@ -118,8 +118,10 @@ class _Penalties:
             flat[self.generated] -= self.subtract.to(flat.dtype)
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Filters:
+    """Top-k / top-p / min-p settings of the sampled rows that use any of them."""
+
     rows: torch.Tensor | None  # [F] indices into the sampled rows; None means all of them
     top_k: torch.Tensor  # [F, 1] long; vocab_size where disabled
     top_p: torch.Tensor  # [F, 1]; 1.0 where disabled
@@ -127,7 +129,7 @@ class _Filters:
     first_candidates: int  # 0 when no row uses top-k or top-p
 
 
-@dataclass
+@dataclass(frozen=True)
 class SamplingMetadata:
     """Per-step sampling tensors, built once by the model runner with `build`."""
 
@@ -149,7 +151,10 @@ class SamplingMetadata:
     def build(
         cls, rows: list[SamplingRow], vocab_size: int, eos_token_ids: Sequence[int], device: torch.device
     ) -> SamplingMetadata:
-        """Gather the per-row parameters into device tensors; rows[i] is row i of the logits."""
+        """Gather the per-row parameters into device tensors; rows[i] is row i of the logits.
+
+        eos_token_ids (and each row's stop_token_ids) are suppressed while a row is below min_tokens.
+        """
         V = vocab_size
         greedy, sampled, temps, uniforms = [], [], [], []
         f_rows, f_k, f_p, f_min_p = [], [], [], []
@@ -277,7 +282,7 @@ def _apply_filters(probs: torch.Tensor, f: _Filters) -> None:
     # p / threshold >= 1 exactly when p >= threshold (division is correctly rounded), and scaling a
     # row does not change its distribution; this is several times faster than masked_fill_.
     p.div_(threshold.clamp(min=torch.finfo(p.dtype).tiny))
-    torch.nn.functional.threshold_(p, 1.0, 0.0)  # the largest float32 below 1
+    torch.nn.functional.threshold_(p, 1.0 - 2.0**-24, 0.0)  # the largest float32 below 1
     if f.rows is not None:
         probs[f.rows] = p
 

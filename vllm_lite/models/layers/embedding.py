@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vllm_lite.models.layers import gemm
 from vllm_lite.models.layers.parallel import SINGLE_RANK, TPContext, all_gather_last_dim, all_reduce
 from vllm_lite.models.layers.weights import copy_weight, new_parameter
 
@@ -57,8 +58,14 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """hidden -> logits over the full vocabulary; may share its weight with the embedding (tied)."""
 
+    packed_weight: torch.Tensor | None = None
+
+    def process_weights_after_loading(self) -> None:
+        """Pack the (possibly tied) weight for the fast matmul path; the embedding keeps the original."""
+        self.packed_weight = gemm.prepack(self.weight)
+
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden_states, self.weight)
+        logits = gemm.linear(hidden_states, self.weight, None, self.packed_weight)
         if self.tp.size == 1:
             return logits
         return all_gather_last_dim(logits, self.tp)[..., : self.num_embeddings]

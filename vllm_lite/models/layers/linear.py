@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vllm_lite.models.layers import gemm
 from vllm_lite.models.layers.parallel import SINGLE_RANK, TPContext, all_reduce, divide
 from vllm_lite.models.layers.weights import copy_weight, narrow_shard, new_parameter
 
@@ -30,6 +31,12 @@ class LinearBase(nn.Module):
             self.bias = new_parameter((out_per_rank,), dtype, self.weight_loader)
         else:
             self.register_parameter("bias", None)
+        # Set by process_weights_after_loading; a derived copy, not a parameter or buffer.
+        self.packed_weight: torch.Tensor | None = None
+
+    def process_weights_after_loading(self) -> None:
+        """Prepare the loaded weight for the fast matmul path (oneDNN packing on CPU fp32)."""
+        self.packed_weight = gemm.prepack(self.weight)
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
@@ -37,7 +44,7 @@ class LinearBase(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return gemm.linear(x, self.weight, self.bias, self.packed_weight)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -156,4 +163,4 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp.rank == 0 else None
-        return all_reduce(F.linear(x, self.weight, bias), self.tp)
+        return all_reduce(gemm.linear(x, self.weight, bias, self.packed_weight), self.tp)
