@@ -154,6 +154,27 @@ def test_seeded_row_is_independent_of_batch_and_position_matters() -> None:
     assert draws != [sample(flat, [at_position(row(seed=8), pos)]).token_ids[0] for pos in range(50)]
 
 
+def test_batch_split_into_chunks_equals_rows_alone() -> None:
+    # 65536 logits per row: the CPU sampler works in chunks of 32 rows; 70 rows make three chunks.
+    torch.manual_seed(9)
+    V = 65536
+    choices = [
+        SamplingParams(temperature=0.0, logprobs=2),
+        SamplingParams(temperature=0.8, top_k=40, logprobs=1),
+        SamplingParams(temperature=1.0, top_p=0.9),
+        SamplingParams(temperature=1.0, presence_penalty=1.0, min_tokens=2),
+    ]
+    rows = [row(choices[i % 4], seed=i, output=[i % 7] * (i % 3)) for i in range(70)]
+    logits = torch.randn(70, V) * 2
+    meta = SamplingMetadata.build(rows, V, [EOS], CPU)
+    assert len(meta.chunks) == 3
+    out = Sampler()(logits, meta)
+    assert len(out.token_ids) == len(out.logprobs) == 70
+    for i, r in enumerate(rows):
+        alone = sample(logits[i : i + 1], [r])
+        assert (out.token_ids[i], out.logprobs[i]) == (alone.token_ids[0], alone.logprobs[0]), i
+
+
 def test_top_k_1_and_tiny_top_p_equal_greedy() -> None:
     torch.manual_seed(4)
     logits = torch.randn(16, 500) * 2
@@ -218,7 +239,7 @@ def test_penalties_match_reference_loop() -> None:
     ]
     meta = SamplingMetadata.build(rows, V, [EOS], CPU)
     penalized = logits.clone()
-    meta.penalties.apply(penalized)
+    meta.chunks[0].penalties.apply(penalized)
     rows[3] = SamplingRow(rows[3].params, 0, [0, 49], rows[3].output_token_ids)
     expected = reference_penalties(logits, rows)
     torch.testing.assert_close(penalized, expected)

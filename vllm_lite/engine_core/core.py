@@ -26,6 +26,12 @@ class EngineCore:
         self.num_kv_blocks = self.executor.determine_num_kv_blocks()
         self.executor.initialize_kv_cache(self.num_kv_blocks)
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, self.num_kv_blocks)
+        capacity = self.num_kv_blocks * config.cache_config.block_size
+        if capacity < config.scheduler_config.max_model_len:
+            logger.warning(
+                "the KV cache holds %d tokens, fewer than max_model_len=%d: longer sequences end with "
+                "finish_reason 'length'", capacity, config.scheduler_config.max_model_len,
+            )
         # Unseeded requests draw their seed here: reproducible for one --seed, distinct per request.
         self._seed_rng = random.Random(mc.seed)
 

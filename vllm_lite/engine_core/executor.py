@@ -36,7 +36,9 @@ class UniProcExecutor(Executor):
     """The single worker lives in the engine-core process itself."""
 
     def __init__(self, config: EngineConfig, eos_token_ids: list[int]) -> None:
-        self.worker = Worker(config.model_config, config.cache_config, config.device_config, eos_token_ids)
+        self.worker = Worker(
+            config.model_config, config.cache_config, config.scheduler_config, config.device_config, eos_token_ids
+        )
 
     def determine_num_kv_blocks(self) -> int:
         return self.worker.determine_num_kv_blocks()

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vllm_lite.models import cpu_kernels
+from vllm_lite.models import cpu_kernels, hugepages
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -56,13 +56,19 @@ def allocate_kv_cache(
     device: torch.device,
 ) -> list[KVCache]:
     """Allocate every layer's (key, value) block tensors."""
-    return [
-        (
-            torch.zeros(num_blocks, num_kv_heads, head_dim, block_size, dtype=dtype, device=device),
-            torch.zeros(num_blocks, num_kv_heads, block_size, head_dim, dtype=dtype, device=device),
-        )
-        for _ in range(num_layers)
-    ]
+    key_shape = (num_blocks, num_kv_heads, head_dim, block_size)
+    value_shape = (num_blocks, num_kv_heads, block_size, head_dim)
+    return [(_zeros(key_shape, dtype, device), _zeros(value_shape, dtype, device)) for _ in range(num_layers)]
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    # Zeroed, not empty: the torch decode path multiplies masked-out slots by 0, and 0 * NaN garbage
+    # would poison it. On CPU the memory is first marked for transparent huge pages: decode reads
+    # blocks scattered over the whole cache, and 4 KiB pages made it TLB-bound.
+    tensor = torch.empty(shape, dtype=dtype, device=device)
+    if tensor.device.type == "cpu":
+        hugepages.advise(tensor)
+    return tensor.zero_()
 
 
 def kv_cache_bytes_per_block(
@@ -97,12 +103,15 @@ def gather_kv(kv_cache: KVCache, block_table: torch.Tensor, context_len: int) ->
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, **kwargs) -> torch.Tensor:
-    """SDPA on [heads, len, dim] tensors with grouped-query heads."""
-    groups = q.shape[0] // k.shape[0]
-    if groups > 1:
-        k = k.repeat_interleave(groups, dim=0)
-        v = v.repeat_interleave(groups, dim=0)
-    return F.scaled_dot_product_attention(q, k, v, scale=scale, **kwargs)
+    """SDPA on [heads, len, dim] tensors with grouped-query heads.
+
+    A batch dim of 1 is added because the fused (flash) CPU kernel takes 4-D inputs only; 3-D ones
+    fall back to the slow math path.
+    """
+    out = F.scaled_dot_product_attention(
+        q[None], k[None], v[None], scale=scale, enable_gqa=q.shape[0] != k.shape[0], **kwargs
+    )
+    return out[0]
 
 
 def prefill_attention(

@@ -26,6 +26,8 @@ _TOP_P_CANDIDATES = (64, 1024, 4096)
 _CDF_BLOCK = 256
 _ARGMAX_BLOCK = 128
 _TOPK_BLOCK = 64
+# Rows are processed in chunks of about this many logits on a CPU (8 MiB of float32 temporaries).
+_CPU_CHUNK_ELEMENTS = 2**21
 
 
 def _splitmix64(x: int) -> int:
@@ -134,8 +136,35 @@ class SamplingMetadata:
     """Per-step sampling tensors, built once by the model runner with `build`."""
 
     num_rows: int
+    argmax_only: bool  # every row greedy, nothing else to do: one argmax for the whole batch
+    chunks: tuple[_RowChunk, ...]  # consecutive row ranges, sampled one after the other
+
+    @classmethod
+    def build(
+        cls, rows: list[SamplingRow], vocab_size: int, eos_token_ids: Sequence[int], device: torch.device
+    ) -> SamplingMetadata:
+        """Gather the per-row parameters into device tensors; rows[i] is row i of the logits.
+
+        eos_token_ids (and each row's stop_token_ids) are suppressed while a row is below min_tokens.
+        """
+        # On a CPU, temporaries above glibc's mmap threshold (32 MiB at most) are fresh mappings
+        # that page-fault on every step (4x slower at 256 x 49152); smaller chunks reuse memory.
+        step = max(1, _CPU_CHUNK_ELEMENTS // vocab_size) if device.type == "cpu" else max(1, len(rows))
+        chunks = tuple(
+            _RowChunk.build(start, rows[start : start + step], vocab_size, eos_token_ids, device)
+            for start in range(0, len(rows), step)
+        )
+        return cls(len(rows), all(c.argmax_only for c in chunks), chunks)
+
+
+@dataclass(frozen=True)
+class _RowChunk:
+    """The sampling tensors of rows [start, start + num_rows) of a step."""
+
+    start: int
+    num_rows: int
     vocab_size: int
-    argmax_only: bool  # every row greedy, nothing else to do: the fast path
+    argmax_only: bool
     greedy_rows: torch.Tensor | None
     sample_rows: torch.Tensor | None
     all_sampled: bool
@@ -149,12 +178,13 @@ class SamplingMetadata:
 
     @classmethod
     def build(
-        cls, rows: list[SamplingRow], vocab_size: int, eos_token_ids: Sequence[int], device: torch.device
-    ) -> SamplingMetadata:
-        """Gather the per-row parameters into device tensors; rows[i] is row i of the logits.
-
-        eos_token_ids (and each row's stop_token_ids) are suppressed while a row is below min_tokens.
-        """
+        cls,
+        start: int,
+        rows: list[SamplingRow],
+        vocab_size: int,
+        eos_token_ids: Sequence[int],
+        device: torch.device,
+    ) -> _RowChunk:
         V = vocab_size
         greedy, sampled, temps, uniforms = [], [], [], []
         f_rows, f_k, f_p, f_min_p = [], [], [], []
@@ -202,6 +232,7 @@ class SamplingMetadata:
             )
         penalties = _Penalties.build(rows, V, device)
         return cls(
+            start=start,
             num_rows=len(rows),
             vocab_size=V,
             argmax_only=not sampled and not sup_r and penalties is None and not lp_rows,
@@ -225,39 +256,47 @@ class Sampler:
         """Sample from `logits` [num_rows, vocab_size]; row i follows the parameters of row i."""
         if meta.argmax_only:
             return SamplerOutput(_argmax(logits).tolist(), [None] * meta.num_rows)
-        raw_logprobs = None
-        if meta.logprob_rows:  # reported from the raw model distribution, before any processing
-            raw = logits if len(meta.logprob_rows) == meta.num_rows else logits[meta.logprob_rows]
-            raw_logprobs = torch.log_softmax(raw, dim=-1, dtype=torch.float32)
-        work = logits
-        if meta.suppressed is not None or meta.penalties is not None:
-            work = logits.clone(memory_format=torch.contiguous_format)
-            if meta.suppressed is not None:
-                work.index_put_(
-                    meta.suppressed, torch.tensor(float("-inf"), dtype=work.dtype, device=work.device)
-                )
-            if meta.penalties is not None:
-                meta.penalties.apply(work)
-
-        if meta.greedy_rows is None:
-            token_ids = _sample(work if meta.all_sampled else work[meta.sample_rows], meta)
-        elif meta.sample_rows is None:
-            token_ids = _argmax(work)
-        else:
-            token_ids = torch.empty(meta.num_rows, dtype=torch.long, device=work.device)
-            token_ids[meta.greedy_rows] = _argmax(work[meta.greedy_rows])
-            token_ids[meta.sample_rows] = _sample(work[meta.sample_rows], meta)
-        logprobs: list[SampleLogprobs | None] = [None] * meta.num_rows
-        if raw_logprobs is not None:
-            rows = meta.logprob_rows
-            for row, entry in zip(
-                rows, _gather_logprobs(raw_logprobs, token_ids[rows], meta.logprob_counts), strict=True
-            ):
-                logprobs[row] = entry
-        return SamplerOutput(token_ids.tolist(), logprobs)
+        out = SamplerOutput([], [])
+        for chunk in meta.chunks:
+            token_ids, logprobs = _sample_chunk(logits[chunk.start : chunk.start + chunk.num_rows], chunk)
+            out.token_ids += token_ids
+            out.logprobs += logprobs
+        return out
 
 
-def _sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+def _sample_chunk(logits: torch.Tensor, meta: _RowChunk) -> tuple[list[int], list[SampleLogprobs | None]]:
+    """Logprobs of the raw logits, then min_tokens, penalties, and greedy or random picks."""
+    raw_logprobs = None
+    if meta.logprob_rows:
+        raw = logits if len(meta.logprob_rows) == meta.num_rows else logits[meta.logprob_rows]
+        raw_logprobs = torch.log_softmax(raw, dim=-1, dtype=torch.float32)
+    work = logits
+    if meta.suppressed is not None or meta.penalties is not None:
+        work = logits.clone(memory_format=torch.contiguous_format)
+        if meta.suppressed is not None:
+            minus_inf = torch.tensor(float("-inf"), dtype=work.dtype, device=work.device)
+            work.index_put_(meta.suppressed, minus_inf)
+        if meta.penalties is not None:
+            meta.penalties.apply(work)
+
+    if meta.greedy_rows is None:
+        token_ids = _sample(work if meta.all_sampled else work[meta.sample_rows], meta)
+    elif meta.sample_rows is None:
+        token_ids = _argmax(work)
+    else:
+        token_ids = torch.empty(meta.num_rows, dtype=torch.long, device=work.device)
+        token_ids[meta.greedy_rows] = _argmax(work[meta.greedy_rows])
+        token_ids[meta.sample_rows] = _sample(work[meta.sample_rows], meta)
+    logprobs: list[SampleLogprobs | None] = [None] * meta.num_rows
+    if raw_logprobs is not None:
+        rows = meta.logprob_rows
+        entries = _gather_logprobs(raw_logprobs, token_ids[rows], meta.logprob_counts)
+        for row, entry in zip(rows, entries, strict=True):
+            logprobs[row] = entry
+    return token_ids.tolist(), logprobs
+
+
+def _sample(logits: torch.Tensor, meta: _RowChunk) -> torch.Tensor:
     """Temperature, filters and one inverse-CDF draw per row, for the non-greedy rows."""
     if meta.temperature is not None:
         logits = logits / meta.temperature

@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from vllm_lite.config import CacheConfig, DeviceConfig, ModelConfig
+from vllm_lite.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig
 from vllm_lite.models.attention import kv_cache_bytes_per_block
 from vllm_lite.protocol.step import ModelRunnerOutput, SchedulerOutput
 from vllm_lite.worker.model_runner import ModelRunner
@@ -40,11 +40,14 @@ class Worker:
         self,
         model_config: ModelConfig,
         cache_config: CacheConfig,
+        scheduler_config: SchedulerConfig,
         device_config: DeviceConfig,
         eos_token_ids: list[int],
     ) -> None:
         self.model_config = model_config
         self.cache_config = cache_config
+        self.max_model_len = scheduler_config.max_model_len
+        self.max_num_seqs = scheduler_config.max_num_seqs
         self.device = torch.device(device_config.device)
         if self.device.type == "cpu":
             torch.set_num_threads(device_config.num_threads or os.cpu_count() or 1)
@@ -68,6 +71,10 @@ class Worker:
         else:
             budget = min(int(DEFAULT_CPU_KV_GIB * (1 << 30)), int(available_cpu_memory() * MAX_CPU_MEMORY_SHARE))
         num_blocks = budget // per_block
+        if cc.kv_cache_memory_gib is None:
+            # An automatic budget never exceeds what max_num_seqs full-length sequences can use.
+            per_seq = -(-self.max_model_len // cc.block_size)
+            num_blocks = min(num_blocks, self.max_num_seqs * per_seq)
         if num_blocks < 1:
             raise ValueError(
                 f"the KV cache budget ({budget / (1 << 30):.3f} GiB) is smaller than one block "
