@@ -29,15 +29,21 @@ def smol_hf(smol_source: ModelSource):
     return model, tokenizer
 
 
-def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int, eos_token_ids: list[int]) -> list[list[int]]:
+def hf_greedy(
+    model, prompts: list[list[int]], max_new_tokens: int, eos_token_ids: list[int]
+) -> list[list[int]]:
     """HF greedy `generate`, one prompt at a time (no padding), stopping at EOS like our engine."""
     outputs = []
     for prompt in prompts:
         ids = torch.tensor([prompt])
         with torch.no_grad():
             out = model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
-                eos_token_id=eos_token_ids or None, pad_token_id=(eos_token_ids or [0])[0],
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                eos_token_id=eos_token_ids or None,
+                pad_token_id=(eos_token_ids or [0])[0],
             )
-        outputs.append(out[0, len(prompt):].tolist())
+        outputs.append(out[0, len(prompt) :].tolist())
     return outputs

@@ -81,7 +81,7 @@ def test_n_samples_and_stop_strings(llm: LLM):
 def test_logprobs_and_min_tokens(llm: LLM):
     out = llm.generate(["The sun"], SamplingParams(temperature=0.0, max_tokens=8, logprobs=3))[0].outputs[0]
     assert len(out.logprobs) == len(out.token_ids) == 8
-    for token, lp in zip(out.token_ids, out.logprobs):
+    for token, lp in zip(out.token_ids, out.logprobs, strict=True):
         assert lp.token_id == token and lp.rank == 1
         assert lp.top_token_ids[0] == token and len(lp.top_token_ids) == 3
         assert lp.logprob <= 0.0

@@ -39,8 +39,11 @@ def prompts(smol_hf) -> list[list[int]]:
     _, tokenizer = smol_hf
     plain = [tokenizer(t).input_ids for t in TEXTS]
     chats = [
-        list(tokenizer.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True,
-                                           tokenize=True, return_dict=True)["input_ids"])
+        list(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": c}], add_generation_prompt=True, tokenize=True, return_dict=True
+            )["input_ids"]
+        )
         for c in CHATS
     ]
     return plain + chats
@@ -64,7 +67,7 @@ def test_batched_equals_hf(prompts, reference):
     assert len(prompts) >= 16
     assert _tokens(llm, prompts) == reference
     # Alone, one at a time: the same tokens again.
-    for p, ref in zip(prompts[:3], reference[:3]):
+    for p, ref in zip(prompts[:3], reference[:3], strict=True):
         assert _tokens(llm, [p]) == [ref]
     assert llm.engine.get_stats().kv_cache_usage == 0.0
 

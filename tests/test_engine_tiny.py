@@ -19,8 +19,14 @@ CONFIGS = {
     "llama-gqa": lambda: tiny_llama_config(tie_word_embeddings=False),
     "llama-tied-llama3-rope": lambda: tiny_llama_config(
         tie_word_embeddings=True,
-        rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
     ),
     "qwen2-bias": lambda: tiny_qwen2_config(tie_word_embeddings=False),
 }

@@ -30,14 +30,17 @@ def _run_generate(args: argparse.Namespace) -> int:
     engine_args = EngineArgs.from_cli_args(args)
     llm = LLM(**vars(engine_args))
     params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
         seed=args.sampling_seed,
     )
     if args.chat:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params)
     else:
         outputs = llm.generate(args.prompt, params)
-    for prompt, out in zip(args.prompt, outputs):
+    for prompt, out in zip(args.prompt, outputs, strict=True):
         print(f"--- {prompt!r}\n{out.outputs[0].text}")
     return 0
 
@@ -49,8 +52,11 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 
 
 def _not_yet(command: str, what: str) -> int:
-    print(f"vllm-lite {command}: {what} is not yet supported in this version; "
-          "use `vllm-lite generate` or the Python `LLM` class", file=sys.stderr)
+    print(
+        f"vllm-lite {command}: {what} is not yet supported in this version; "
+        "use `vllm-lite generate` or the Python `LLM` class",
+        file=sys.stderr,
+    )
     return 2
 
 

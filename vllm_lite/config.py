@@ -305,31 +305,59 @@ class EngineArgs:
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         """Add the engine flags, named as `vllm serve` names them."""
         group = parser.add_argument_group("engine")
-        group.add_argument("model", nargs="?", default=DEFAULT_MODEL,
-                           help="local HF directory, .gguf file, or alias (default: %(default)s, "
-                                "the bundled SmolLM2-135M-Instruct)")
+        group.add_argument(
+            "model",
+            nargs="?",
+            default=DEFAULT_MODEL,
+            help="local HF directory, .gguf file, or alias (default: %(default)s, "
+            "the bundled SmolLM2-135M-Instruct)",
+        )
         group.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
         group.add_argument("--served-model-name", default=None, help="model name shown to clients")
-        group.add_argument("--dtype", default="auto", choices=SUPPORTED_DTYPES,
-                           help="weights and activations dtype (auto: float32 on CPU, bfloat16 on CUDA)")
+        group.add_argument(
+            "--dtype",
+            default="auto",
+            choices=SUPPORTED_DTYPES,
+            help="weights and activations dtype (auto: float32 on CPU, bfloat16 on CUDA)",
+        )
         group.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
         group.add_argument("--seed", type=int, default=0, help="seed for weights-independent randomness")
-        group.add_argument("--max-model-len", type=int, default=None,
-                           help="longest prompt + output, in tokens (default: the model's, capped at 8192)")
+        group.add_argument(
+            "--max-model-len",
+            type=int,
+            default=None,
+            help="longest prompt + output, in tokens (default: the model's, capped at 8192)",
+        )
         group.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
         capacity = group.add_mutually_exclusive_group()
         capacity.add_argument("--num-kv-blocks", type=int, default=None, help="KV-cache capacity in blocks")
-        capacity.add_argument("--kv-cache-memory", type=float, default=None,
-                              help="KV-cache capacity in GiB (default: a share of free memory)")
-        group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                           help="share full KV blocks between requests with the same prefix")
-        group.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                           help="token budget of one engine step (prefill chunks + decodes)")
+        capacity.add_argument(
+            "--kv-cache-memory",
+            type=float,
+            default=None,
+            help="KV-cache capacity in GiB (default: a share of free memory)",
+        )
+        group.add_argument(
+            "--enable-prefix-caching",
+            action=argparse.BooleanOptionalAction,
+            default=True,
+            help="share full KV blocks between requests with the same prefix",
+        )
+        group.add_argument(
+            "--max-num-batched-tokens",
+            type=int,
+            default=2048,
+            help="token budget of one engine step (prefill chunks + decodes)",
+        )
         group.add_argument("--max-num-seqs", type=int, default=128, help="most requests in one step")
         group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
         group.add_argument("--data-parallel-size", "-dp", type=int, default=1)
-        group.add_argument("--num-threads", type=int, default=None,
-                           help="torch CPU threads for this engine (default: all cores)")
+        group.add_argument(
+            "--num-threads",
+            type=int,
+            default=None,
+            help="torch CPU threads for this engine (default: all cores)",
+        )
         return parser
 
     @classmethod

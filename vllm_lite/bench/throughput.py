@@ -25,11 +25,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--dataset", choices=("random", "fixed"), default="random",
-                   help="random token prompts, or one fixed prompt repeated (prefix-cache friendly)")
+    p.add_argument(
+        "--dataset",
+        choices=("random", "fixed"),
+        default="random",
+        help="random token prompts, or one fixed prompt repeated (prefix-cache friendly)",
+    )
     p.add_argument("--temperature", type=float, default=1.0, help="0 for greedy")
-    p.add_argument("--hf-backend", choices=("generate_batch", "generate", "none"), default="generate_batch",
-                   help="the HF transformers baseline: continuous batching, padded generate, or none")
+    p.add_argument(
+        "--hf-backend",
+        choices=("generate_batch", "generate", "none"),
+        default="generate_batch",
+        help="the HF transformers baseline: continuous batching, padded generate, or none",
+    )
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--num-threads", type=int, default=None)
@@ -45,7 +53,9 @@ def make_prompts(vocab_size: int, special_ids: set[int], args: argparse.Namespac
     if args.dataset == "fixed":
         fixed = [usable[rng.randrange(len(usable))] for _ in range(args.input_len)]
         return [list(fixed) for _ in range(args.num_prompts)]
-    return [[usable[rng.randrange(len(usable))] for _ in range(args.input_len)] for _ in range(args.num_prompts)]
+    return [
+        [usable[rng.randrange(len(usable))] for _ in range(args.input_len)] for _ in range(args.num_prompts)
+    ]
 
 
 def measure_matmul_flops(seconds: float = 2.0, size: int = 2048) -> float:
@@ -67,8 +77,13 @@ def run_vllm_lite(prompts: list[list[int]], args: argparse.Namespace) -> dict[st
     from vllm_lite.engine_core.llm import LLM
     from vllm_lite.protocol.sampling_params import SamplingParams
 
-    llm = LLM(args.model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              num_threads=args.num_threads, seed=args.seed)
+    llm = LLM(
+        args.model,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        num_threads=args.num_threads,
+        seed=args.seed,
+    )
     params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(max_tokens=4))  # warm-up: kernels, allocator
     t0 = time.perf_counter()
@@ -91,9 +106,14 @@ def run_hf(prompts: list[list[int]], args: argparse.Namespace) -> dict[str, Any]
     ).eval()
     sample = args.temperature > 0
     gen = GenerationConfig(
-        max_new_tokens=args.output_len, min_new_tokens=args.output_len, do_sample=sample,
-        temperature=args.temperature if sample else None, top_k=None, top_p=None,
-        eos_token_id=model.config.eos_token_id, pad_token_id=model.config.eos_token_id,
+        max_new_tokens=args.output_len,
+        min_new_tokens=args.output_len,
+        do_sample=sample,
+        temperature=args.temperature if sample else None,
+        top_k=None,
+        top_p=None,
+        eos_token_id=model.config.eos_token_id,
+        pad_token_id=model.config.eos_token_id,
     )
     torch.manual_seed(args.seed)
     t0 = time.perf_counter()
@@ -103,7 +123,7 @@ def run_hf(prompts: list[list[int]], args: argparse.Namespace) -> dict[str, Any]
     else:
         batch = torch.tensor(prompts)  # equal-length prompts: no padding needed
         out = model.generate(batch, attention_mask=torch.ones_like(batch), generation_config=gen)
-        generated = int(out[:, batch.shape[1]:].numel())
+        generated = int(out[:, batch.shape[1] :].numel())
     elapsed = time.perf_counter() - t0
     return {"elapsed_s": elapsed, "output_tokens": generated}
 
@@ -122,10 +142,17 @@ def run(args: argparse.Namespace) -> int:
     flops = measure_matmul_flops()
     roofline = flops / (2 * ours["num_params"])
     result: dict[str, Any] = {
-        "model": args.model, "num_prompts": args.num_prompts, "input_len": args.input_len,
-        "output_len": args.output_len, "dataset": args.dataset, "temperature": args.temperature,
-        "threads": torch.get_num_threads(), "vllm_lite": ours, "matmul_gflops": flops / 1e9,
-        "roofline_tokens_per_s": roofline, "ratio_vs_roofline": ours["tokens_per_s"] / roofline,
+        "model": args.model,
+        "num_prompts": args.num_prompts,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "dataset": args.dataset,
+        "temperature": args.temperature,
+        "threads": torch.get_num_threads(),
+        "vllm_lite": ours,
+        "matmul_gflops": flops / 1e9,
+        "roofline_tokens_per_s": roofline,
+        "ratio_vs_roofline": ours["tokens_per_s"] / roofline,
     }
     if args.hf_backend != "none":
         hf = run_hf(prompts, args)
@@ -141,16 +168,20 @@ def run(args: argparse.Namespace) -> int:
 
 def print_table(r: dict[str, Any]) -> None:
     ours = r["vllm_lite"]
-    print(f"\n{r['num_prompts']} prompts x {r['input_len']} in / {r['output_len']} out tokens "
-          f"({r['dataset']}, temperature {r['temperature']}), {r['threads']} threads, "
-          f"{ours['num_params'] / 1e6:.1f}M params")
+    print(
+        f"\n{r['num_prompts']} prompts x {r['input_len']} in / {r['output_len']} out tokens "
+        f"({r['dataset']}, temperature {r['temperature']}), {r['threads']} threads, "
+        f"{ours['num_params'] / 1e6:.1f}M params"
+    )
     print(f"{'engine':<34}{'output tok/s':>14}{'time s':>10}")
     print(f"{'vllm-lite':<34}{ours['tokens_per_s']:>14.1f}{ours['elapsed_s']:>10.1f}")
     if "hf" in r:
         hf = r["hf"]
         print(f"{'HF transformers ' + hf['backend']:<34}{hf['tokens_per_s']:>14.1f}{hf['elapsed_s']:>10.1f}")
-    print(f"{'roofline (fp32 matmul / 2P)':<34}{r['roofline_tokens_per_s']:>14.1f}"
-          f"{'':>10}  ({r['matmul_gflops']:.1f} GFLOP/s)")
+    print(
+        f"{'roofline (fp32 matmul / 2P)':<34}{r['roofline_tokens_per_s']:>14.1f}"
+        f"{'':>10}  ({r['matmul_gflops']:.1f} GFLOP/s)"
+    )
     if "hf" in r:
         print(f"vllm-lite / HF:       {r['ratio_vs_hf']:.2f}x")
     print(f"vllm-lite / roofline: {r['ratio_vs_roofline']:.2%}")

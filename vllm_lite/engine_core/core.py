@@ -30,7 +30,9 @@ class EngineCore:
         if capacity < config.scheduler_config.max_model_len:
             logger.warning(
                 "the KV cache holds %d tokens, fewer than max_model_len=%d: longer sequences end with "
-                "finish_reason 'length'", capacity, config.scheduler_config.max_model_len,
+                "finish_reason 'length'",
+                capacity,
+                config.scheduler_config.max_model_len,
             )
         # Unseeded requests draw their seed here: reproducible for one --seed, distinct per request.
         self._seed_rng = random.Random(mc.seed)

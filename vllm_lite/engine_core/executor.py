@@ -28,7 +28,7 @@ class Executor(abc.ABC):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step on all workers; return the driver worker's sampled tokens. Raises on failure."""
 
-    def shutdown(self) -> None:
+    def shutdown(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
         """Release workers; safe to call twice."""
 
 
@@ -37,7 +37,11 @@ class UniProcExecutor(Executor):
 
     def __init__(self, config: EngineConfig, eos_token_ids: list[int]) -> None:
         self.worker = Worker(
-            config.model_config, config.cache_config, config.scheduler_config, config.device_config, eos_token_ids
+            config.model_config,
+            config.cache_config,
+            config.scheduler_config,
+            config.device_config,
+            eos_token_ids,
         )
 
     def determine_num_kv_blocks(self) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence
-from typing import Any, Union
+from typing import Any
 
 from vllm_lite.config import DEFAULT_MODEL, EngineArgs
 from vllm_lite.engine_core.core import EngineCore
@@ -15,7 +15,7 @@ from vllm_lite.protocol.sampling_params import SamplingParams
 from vllm_lite.tokenizer import apply_chat_template, load_tokenizer
 
 # A prompt: text, token ids, or {"prompt_token_ids": [...]} / {"prompt": "..."}.
-PromptType = Union[str, Sequence[int], dict[str, Any]]
+PromptType = str | Sequence[int] | dict[str, Any]
 
 
 class _Sample:
@@ -38,7 +38,9 @@ class LLM:
     >>> llm.generate(["Hello"], SamplingParams(max_tokens=8))[0].outputs[0].text
     """
 
-    def __init__(self, model: str = DEFAULT_MODEL, skip_tokenizer_init: bool = False, **engine_kwargs: Any) -> None:
+    def __init__(
+        self, model: str = DEFAULT_MODEL, skip_tokenizer_init: bool = False, **engine_kwargs: Any
+    ) -> None:
         """`engine_kwargs` are `EngineArgs` fields; with `skip_tokenizer_init` prompts must be token
         ids and outputs carry no text."""
         self.engine_args = EngineArgs(model=model, **engine_kwargs)
@@ -55,7 +57,9 @@ class LLM:
         """Generate for each prompt; returns outputs in prompt order once all have finished."""
         prompt_list = self._as_prompt_list(prompts)
         token_lists = [self._tokenize(p) for p in prompt_list]
-        texts = [p if isinstance(p, str) else p.get("prompt") if isinstance(p, dict) else None for p in prompt_list]
+        texts = [
+            p if isinstance(p, str) else p.get("prompt") if isinstance(p, dict) else None for p in prompt_list
+        ]
         return self._run(token_lists, texts, sampling_params)
 
     def chat(
@@ -82,7 +86,9 @@ class LLM:
         return prompts
 
     def _tokenize(self, prompt: PromptType) -> list[int]:
-        if self.tokenizer is None and (isinstance(prompt, str) or (isinstance(prompt, dict) and "prompt" in prompt)):
+        if self.tokenizer is None and (
+            isinstance(prompt, str) or (isinstance(prompt, dict) and "prompt" in prompt)
+        ):
             raise ValueError("text prompts need a tokenizer; this LLM was made with skip_tokenizer_init")
         if isinstance(prompt, str):
             return list(self.tokenizer(prompt).input_ids)
@@ -112,7 +118,7 @@ class LLM:
         results: list[RequestOutput] = []
         samples: dict[str, tuple[RequestOutput, _Sample]] = {}
         now = time.monotonic()
-        for tokens, text, params in zip(token_lists, texts, params_list):
+        for tokens, text, params in zip(token_lists, texts, params_list, strict=True):
             result = RequestOutput(request_id=str(next(self._ids)), prompt=text, prompt_token_ids=tokens)
             results.append(result)
             for i in range(params.n):
@@ -127,7 +133,7 @@ class LLM:
         except BaseException:
             self.engine.abort_requests(list(samples))
             raise
-        for req_id, (result, sample) in samples.items():
+        for result, sample in samples.values():
             if not sample.finish_reason:
                 continue
             if not sample.text:

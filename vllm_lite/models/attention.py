@@ -176,7 +176,9 @@ class Attention(nn.Module):
         self.scale = scale
         self.kv_cache: KVCache | None = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         """q [T, H*D], k/v [T, KVH*D] -> [T, H*D]; writes k/v into the cache first."""
         if self.kv_cache is None:
             raise RuntimeError("Attention.kv_cache is not bound; the model runner binds it")

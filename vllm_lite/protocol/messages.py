@@ -10,7 +10,7 @@ from vllm_lite.protocol.sampling_params import SamplingParams
 from vllm_lite.protocol.step import SampleLogprobs
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     """Why a request ended; the string values are the OpenAI API's."""
 
     STOP = "stop"  # EOS, a stop token id or (frontend) a stop string

@@ -70,7 +70,11 @@ class ModelRunner:
     """Runs one model (this TP rank's shard) over the paged KV cache."""
 
     def __init__(
-        self, model_config: ModelConfig, cache_config: CacheConfig, device: torch.device, eos_token_ids: list[int]
+        self,
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        device: torch.device,
+        eos_token_ids: list[int],
     ) -> None:
         self.model_config = model_config
         self.block_size = cache_config.block_size
@@ -87,9 +91,15 @@ class ModelRunner:
         mc = self.model_config
         layers = self.model.attention_layers()
         self.kv_caches = allocate_kv_cache(
-            len(layers), num_blocks, self.block_size, layers[0].num_kv_heads, mc.head_dim, self.dtype, self.device
+            len(layers),
+            num_blocks,
+            self.block_size,
+            layers[0].num_kv_heads,
+            mc.head_dim,
+            self.dtype,
+            self.device,
         )
-        for layer, cache in zip(layers, self.kv_caches):
+        for layer, cache in zip(layers, self.kv_caches, strict=True):
             layer.kv_cache = cache
 
     @torch.inference_mode()
@@ -109,7 +119,7 @@ class ModelRunner:
         ]
         meta = SamplingMetadata.build(rows, logits.shape[-1], self.eos_token_ids, logits.device)
         out = self.sampler(logits, meta)
-        for state, token in zip(batch.sampled, out.token_ids):
+        for state, token in zip(batch.sampled, out.token_ids, strict=True):
             state.append_output(token)
         return ModelRunnerOutput(
             req_ids=[s.req_id for s in batch.sampled], sampled_token_ids=out.token_ids, logprobs=out.logprobs

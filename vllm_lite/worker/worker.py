@@ -60,8 +60,11 @@ class Worker:
         if cc.num_kv_blocks is not None:
             return cc.num_kv_blocks
         per_block = kv_cache_bytes_per_block(
-            mc.num_layers, cc.block_size, self.runner.model.attention_layers()[0].num_kv_heads,
-            mc.head_dim, self.runner.dtype,
+            mc.num_layers,
+            cc.block_size,
+            self.runner.model.attention_layers()[0].num_kv_heads,
+            mc.head_dim,
+            self.runner.dtype,
         )
         if cc.kv_cache_memory_gib is not None:
             budget = int(cc.kv_cache_memory_gib * (1 << 30))
@@ -69,7 +72,9 @@ class Worker:
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free * CUDA_MEMORY_SHARE)
         else:
-            budget = min(int(DEFAULT_CPU_KV_GIB * (1 << 30)), int(available_cpu_memory() * MAX_CPU_MEMORY_SHARE))
+            budget = min(
+                int(DEFAULT_CPU_KV_GIB * (1 << 30)), int(available_cpu_memory() * MAX_CPU_MEMORY_SHARE)
+            )
         num_blocks = budget // per_block
         if cc.kv_cache_memory_gib is None:
             # An automatic budget never exceeds what max_num_seqs full-length sequences can use.
@@ -80,8 +85,12 @@ class Worker:
                 f"the KV cache budget ({budget / (1 << 30):.3f} GiB) is smaller than one block "
                 f"({per_block / (1 << 20):.2f} MiB); raise --kv-cache-memory"
             )
-        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks, cc.block_size,
-                    num_blocks * per_block / (1 << 30))
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.2f GiB)",
+            num_blocks,
+            cc.block_size,
+            num_blocks * per_block / (1 << 30),
+        )
         return num_blocks
 
     def initialize_kv_cache(self, num_blocks: int) -> None:

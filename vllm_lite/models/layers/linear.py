@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from vllm_lite.models.layers import gemm
