@@ -14,7 +14,10 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "paged_attention_cpu.cpp")
+_SOURCES = [
+    os.path.join(os.path.dirname(__file__), "csrc", name)
+    for name in ("paged_attention_cpu.cpp", "elementwise_cpu.cpp")
+]
 _lock = threading.Lock()
 _state: dict[str, bool] = {}
 
@@ -35,7 +38,7 @@ def load() -> bool:
 
                 load_extension(
                     name="vllm_lite_cpu_kernels",
-                    sources=[_SOURCE],
+                    sources=_SOURCES,
                     extra_cflags=["-O3", "-march=native", "-fopenmp"],
                     extra_ldflags=["-fopenmp"],
                     build_directory=_build_dir(),
@@ -67,3 +70,25 @@ def paged_decode(
 ) -> torch.Tensor:
     """Single-token attention for a batch of requests, read through their block tables."""
     return torch.ops.vllm_lite.paged_decode(q, key_cache, value_cache, block_tables, context_lens, scale)
+
+
+def supports_elementwise(x: torch.Tensor) -> bool:
+    """Whether the fused norm / rotary kernels handle this activation tensor."""
+    return (
+        x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1 and load()
+    )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * x / rms(x), per row."""
+    return torch.ops.vllm_lite.rms_norm(x, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x += residual in place; returns weight * x / rms(x)."""
+    return torch.ops.vllm_lite.add_rms_norm(x, residual, weight, eps)
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Rotate-half rotary embedding of x [T, heads * head_dim] with cos/sin [T, head_dim / 2]."""
+    return torch.ops.vllm_lite.rotary(x, cos, sin, head_dim)

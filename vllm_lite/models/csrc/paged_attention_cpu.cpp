@@ -54,10 +54,13 @@ void decode_one(const float* qb, const float* kp, const float* vp, const int* ta
   for (int g = 0; g < G; ++g) mx[g] = -std::numeric_limits<float>::max();
   for (int64_t j = 0; j < nblk; ++j) {
     const float* kb = kp + static_cast<int64_t>(table[j]) * block_stride + head_off;
-    if (j + 1 < nblk) __builtin_prefetch(kp + static_cast<int64_t>(table[j + 1]) * block_stride + head_off);
+    // Blocks sit anywhere in the cache, so the hardware prefetcher cannot guess the next one:
+    // fetch it line by line while this one is scored (the cache is read from DRAM every step).
+    const float* next_kb = kp + static_cast<int64_t>(table[j + 1 < nblk ? j + 1 : j]) * block_stride + head_off;
     float acc[G][BS] = {};
     for (int d = 0; d < D; ++d) {
       const float* kr = kb + d * BS;
+      if ((d * BS) % 16 == 0) __builtin_prefetch(next_kb + d * BS);
       for (int g = 0; g < G; ++g) {
         const float qd = qs[g][d];
 #pragma omp simd
@@ -88,9 +91,10 @@ void decode_one(const float* qb, const float* kp, const float* vp, const int* ta
   float acc[G][D] = {};
   for (int64_t j = 0; j < nblk; ++j) {
     const float* vb = vp + static_cast<int64_t>(table[j]) * block_stride + head_off;
-    if (j + 1 < nblk) __builtin_prefetch(vp + static_cast<int64_t>(table[j + 1]) * block_stride + head_off);
+    const float* next_vb = vp + static_cast<int64_t>(table[j + 1 < nblk ? j + 1 : j]) * block_stride + head_off;
     for (int t = 0; t < BS; ++t) {
       const float* vr = vb + t * D;
+      for (int l = 0; l < D; l += 16) __builtin_prefetch(next_vb + t * D + l);
       for (int g = 0; g < G; ++g) {
         const float pt = scores[g * Lp + j * BS + t];
 #pragma omp simd

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from vllm_lite.models import cpu_kernels
 from vllm_lite.models.layers.weights import default_weight_loader, new_parameter
 
 
@@ -22,6 +23,8 @@ class RMSNorm(nn.Module):
         self.weight = new_parameter((hidden_size,), dtype, default_weight_loader)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        if cpu_kernels.supports_elementwise(x):
+            return cpu_kernels.rms_norm(x, self.weight, self.eps)
         xf = x.float()
         variance = xf.pow(2).mean(-1, keepdim=True)
         return self.weight * (xf * torch.rsqrt(variance + self.eps)).to(x.dtype)
@@ -31,5 +34,7 @@ class RMSNorm(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             return self._norm(x)
+        if cpu_kernels.supports_elementwise(x) and x.is_contiguous() and residual.is_contiguous():
+            return cpu_kernels.add_rms_norm(x, residual, self.weight, self.eps), x
         x = x.add_(residual)
         return self._norm(x), x

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from vllm_lite.models import cpu_kernels
+
 logger = logging.getLogger(__name__)
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic")
@@ -92,6 +94,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim
 
     Same result as HF's `x * cos + rotate_half(x) * sin` with cos/sin duplicated over both halves.
     """
+    if cpu_kernels.supports_elementwise(x):
+        return cpu_kernels.rotary(x, cos.squeeze(1), sin.squeeze(1), head_dim)
     num_tokens = x.shape[0]
     x = x.view(num_tokens, -1, head_dim)
     x1, x2 = x.chunk(2, dim=-1)
