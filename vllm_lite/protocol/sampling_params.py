@@ -17,7 +17,7 @@ import msgspec
 GREEDY_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
-_MASK64 = 2**64 - 1
+MASK64 = 2**64 - 1
 # Salt so that child seeds of an n>1 fan-out come from another stream than the sampler's draws.
 _CLONE_SALT = 0x5EED_C10E_5A17_0001
 
@@ -26,11 +26,11 @@ def _in_2(v: float) -> bool:
     return -2 <= v <= 2
 
 
-def _splitmix64(x: int) -> int:
+def splitmix64(x: int) -> int:
     """One round of splitmix64: a cheap, well-mixed bijection on 64-bit integers."""
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    x = (x + 0x9E3779B97F4A7C15) & MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
     return x ^ (x >> 31)
 
 
@@ -138,5 +138,5 @@ class SamplingParams(
             raise ValueError(f"index must be an integer in [0, n={self.n}); got {index!r}")
         seed = self.seed
         if seed is not None and index > 0:
-            seed = _splitmix64(_splitmix64((seed & _MASK64) ^ _CLONE_SALT) ^ index) >> 1
+            seed = splitmix64(splitmix64((seed & MASK64) ^ _CLONE_SALT) ^ index) >> 1
         return msgspec.structs.replace(self, n=1, seed=seed)
