@@ -18,7 +18,7 @@ class FinishReason(enum.StrEnum):
     ABORT = "abort"  # aborted by the client or the engine
 
 
-class EngineCoreRequest(msgspec.Struct, frozen=True):
+class EngineCoreRequest(msgspec.Struct, frozen=True, tag="request"):
     """A validated, tokenized request for one engine core."""
 
     req_id: str
@@ -42,3 +42,85 @@ class EngineCoreOutput(msgspec.Struct, frozen=True):
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+class EngineCoreAbort(msgspec.Struct, frozen=True, tag="abort"):
+    """Abort these requests (client disconnect, stop string hit, shutdown)."""
+
+    req_ids: list[str]
+
+
+class UtilityCall(msgspec.Struct, frozen=True, tag="utility"):
+    """Call an engine-core method outside the step (stats, reset prefix cache, ...)."""
+
+    call_id: int
+    method: str
+    args: list[msgspec.Raw] = []
+
+
+class UtilityResult(msgspec.Struct, frozen=True, tag="utility_result"):
+    """The reply to a UtilityCall: a msgpack-encoded result, or an error message."""
+
+    call_id: int
+    result: msgspec.Raw | None = None
+    error: str | None = None
+
+
+class EngineStats(msgspec.Struct, frozen=True):
+    """Load figures an engine publishes with its outputs (the DP balancer ranks on them)."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+
+
+class EngineCoreOutputs(msgspec.Struct, frozen=True, tag="outputs"):
+    """Every new token of one engine step, sent as one frame."""
+
+    engine_index: int
+    outputs: list[EngineCoreOutput]
+    stats: EngineStats | None = None
+    timestamp: float = 0.0
+
+
+class EngineDead(msgspec.Struct, frozen=True, tag="engine_dead"):
+    """Sent by an engine core on a fatal error, just before it exits."""
+
+    engine_index: int
+    reason: str
+
+
+class Hello(msgspec.Struct, frozen=True, tag="hello"):
+    """Handshake, engine -> frontend: who is connecting."""
+
+    dp_rank: int
+    local: bool
+    headless: bool
+
+
+class HandshakeAddresses(msgspec.Struct, frozen=True, tag="addresses"):
+    """Handshake, frontend -> engine: where to connect the data sockets."""
+
+    input_address: str
+    output_address: str
+
+
+class Ready(msgspec.Struct, frozen=True, tag="ready"):
+    """Handshake, engine -> frontend: what the client must know about this engine."""
+
+    dp_rank: int
+    max_model_len: int
+    num_kv_blocks: int
+    block_size: int
+    version: str
+    config_hash: str
+
+
+# Every top-level message, by direction: a decoder accepts exactly one of these unions.
+ToEngine = EngineCoreRequest | EngineCoreAbort | UtilityCall
+FromEngine = EngineCoreOutputs | UtilityResult | EngineDead
+HandshakeToFrontend = Hello | Ready
+HandshakeToEngine = HandshakeAddresses
