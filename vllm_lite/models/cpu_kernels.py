@@ -6,6 +6,7 @@ torch code that computes the same thing (and that is the path CUDA takes).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -14,19 +15,50 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [
-    os.path.join(os.path.dirname(__file__), "csrc", name)
-    for name in ("paged_attention_cpu.cpp", "elementwise_cpu.cpp")
-]
+_SOURCE_DIR = os.path.join(os.path.dirname(__file__), "csrc")
+_SOURCE_NAMES = ("paged_attention_cpu.cpp", "elementwise_cpu.cpp")
+_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+_LDFLAGS = ["-fopenmp"]
 _lock = threading.Lock()
 _state: dict[str, bool] = {}
 
 
-def _build_dir() -> str:
+def _cpu_signature() -> str:
+    """The first CPU's model and feature flags (what -march=native compiles for)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [line for line in f if line.startswith(("model name", "flags"))]
+        return "".join(lines[:2])
+    except OSError:
+        return os.uname().machine
+
+
+def _prepare_build_dir() -> list[str]:
+    """Copy the sources into a build directory named by their hash; return the copies' paths.
+
+    Many processes load these kernels at once (TP workers, DP ranks, tests), possibly from
+    different checkouts. Keyed by content and always built from the same paths, a directory's
+    build.ninja never changes, so once built nobody rebuilds (and rewrites) a library another
+    process may be loading; torch's file lock serialises the first build.
+    """
+    sources = {name: open(os.path.join(_SOURCE_DIR, name), "rb").read() for name in _SOURCE_NAMES}
+    # -march=native: a library built on one CPU may not run on another sharing this home directory.
+    digest = hashlib.sha256(repr((torch.__version__, _CFLAGS, _LDFLAGS, _cpu_signature())).encode())
+    for name, text in sources.items():
+        digest.update(name.encode() + text)
     root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    path = os.path.join(root, "vllm_lite", f"torch-{torch.__version__}")
-    os.makedirs(path, exist_ok=True)
-    return path
+    build_dir = os.path.join(root, "vllm_lite", f"kernels-{digest.hexdigest()[:16]}")
+    os.makedirs(build_dir, exist_ok=True)
+    paths = []
+    for name, text in sources.items():
+        path = os.path.join(build_dir, name)
+        if not os.path.exists(path):
+            tmp = f"{path}.{os.getpid()}.tmp"
+            with open(tmp, "wb") as f:
+                f.write(text)
+            os.replace(tmp, path)  # atomic: a concurrent loader never sees half a file
+        paths.append(path)
+    return paths
 
 
 def load() -> bool:
@@ -36,12 +68,13 @@ def load() -> bool:
             try:
                 from torch.utils.cpp_extension import load as load_extension
 
+                sources = _prepare_build_dir()
                 load_extension(
                     name="vllm_lite_cpu_kernels",
-                    sources=_SOURCES,
-                    extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                    extra_ldflags=["-fopenmp"],
-                    build_directory=_build_dir(),
+                    sources=sources,
+                    extra_cflags=_CFLAGS,
+                    extra_ldflags=_LDFLAGS,
+                    build_directory=os.path.dirname(sources[0]),
                     is_python_module=False,
                     verbose=False,
                 )
