@@ -163,7 +163,8 @@ def test_tied_embeddings_share_one_tensor(tiny: tuple) -> None:
 
 def test_bin_and_sharded_safetensors_load_the_same(tmp_path: os.PathLike) -> None:
     hf_model = random_hf_model(tiny_qwen2_config(), seed=3)
-    reference = load_model(save_model_config(hf_model, tmp_path / "single"), CPU, torch.float32)
+    config = save_model_config(hf_model, tmp_path / "single")
+    reference = load_model(config, CPU, torch.float32, process_weights=False)
     sharded_dir = tmp_path / "sharded"
     hf_model.save_pretrained(sharded_dir, max_shard_size="100KB")
     assert (sharded_dir / "model.safetensors.index.json").exists()
@@ -174,7 +175,7 @@ def test_bin_and_sharded_safetensors_load_the_same(tmp_path: os.PathLike) -> Non
     for directory in (sharded_dir, bin_dir):
         source = ModelSource(str(directory))
         config = ModelConfig(str(directory), source, load_hf_config(source), "float32", 128)
-        loaded = load_model(config, CPU, torch.float32).state_dict()
+        loaded = load_model(config, CPU, torch.float32, process_weights=False).state_dict()
         assert loaded.keys() == expected.keys()
         assert all(torch.equal(loaded[name], expected[name]) for name in expected)
 
@@ -325,3 +326,22 @@ def test_bundled_gguf_matches_hf() -> None:
     assert (ours[-1] - ref[-1]).abs().max().item() < 1e-3
     assert ours[-1].argmax() == ref[-1].argmax()
     assert (ours - ref).abs().max().item() < 1e-3
+
+
+def test_packed_weights_replace_the_originals(tmp_path: os.PathLike) -> None:
+    """On CPU fp32 only the packed GEMM copy stays in memory; parameter counts and outputs don't change."""
+    from vllm_lite.models.layers import gemm
+
+    hf_model = random_hf_model(tiny_llama_config(tie_word_embeddings=False), seed=5)
+    config = save_model_config(hf_model, tmp_path / "m")
+    plain = load_model(config, CPU, torch.float32, process_weights=False)
+    packed = load_model(config, CPU, torch.float32)
+    if gemm.prepack(torch.zeros(2, 2)) is None:
+        pytest.skip("no oneDNN packed GEMM in this torch build")
+    qkv = packed.model.layers[0].self_attn.qkv_proj
+    assert qkv.weight.device.type == "meta" and qkv.packed_weight is not None
+    assert packed.lm_head.weight.device.type == "meta"
+    assert packed.model.embed_tokens.weight.device.type == "cpu"
+    assert sum(p.numel() for p in packed.parameters()) == sum(p.numel() for p in plain.parameters())
+    x = torch.randn(5, qkv.packed_weight.shape[1])
+    assert_close(qkv(x), plain.model.layers[0].self_attn.qkv_proj(x))

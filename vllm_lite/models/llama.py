@@ -180,6 +180,7 @@ class LlamaForCausalLM(nn.Module):
                 self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, tp, dtype)
             if self.tie_word_embeddings:
                 self.lm_head.weight = self.model.embed_tokens.weight
+                self.lm_head.tied = True
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata

@@ -22,15 +22,24 @@ Weights = Iterator[tuple[str, torch.Tensor]]
 
 
 def load_model(
-    model_config: ModelConfig, device: torch.device, dtype: torch.dtype, tp: TPContext = SINGLE_RANK
+    model_config: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    tp: TPContext = SINGLE_RANK,
+    process_weights: bool = True,
 ) -> nn.Module:
-    """The model named by `model_config`, on `device` in `dtype`, holding this TP rank's weights."""
+    """The model named by `model_config`, on `device` in `dtype`, holding this TP rank's weights.
+
+    With `process_weights` (the default) layers then derive their run-time form (packed GEMM
+    weights on CPU, dropping the originals); without it the checkpoint weights stay as loaded.
+    """
     model_class = get_model_class(model_config.architecture)
     model = model_class(
         model_config.hf_config, tp=tp, dtype=dtype, device=device, max_model_len=model_config.max_model_len
     )
     model.load_weights(iter_weights(model_config.source, model, dtype))
-    process_weights_after_loading(model)
+    if process_weights:
+        process_weights_after_loading(model)
     return model.eval()
 
 

@@ -59,10 +59,14 @@ class ParallelLMHead(VocabParallelEmbedding):
     """hidden -> logits over the full vocabulary; may share its weight with the embedding (tied)."""
 
     packed_weight: torch.Tensor | None = None
+    # Set by the model when the head shares the embedding's weight (which must then stay).
+    tied = False
 
     def process_weights_after_loading(self) -> None:
-        """Pack the (possibly tied) weight for the fast matmul path; the embedding keeps the original."""
+        """Pack the weight for the fast matmul path; an untied head drops its original copy."""
         self.packed_weight = gemm.prepack(self.weight)
+        if self.packed_weight is not None and not self.tied:
+            gemm.drop_original(self)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         logits = gemm.linear(hidden_states, self.weight, None, self.packed_weight)

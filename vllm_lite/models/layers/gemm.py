@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 # oneDNN picks its blocking from an expected batch size; any batch size still computes correctly.
 _BATCH_HINT = 64
@@ -31,6 +32,18 @@ def prepack(weight: torch.Tensor) -> torch.Tensor | None:
     if not can_prepack(weight):
         return None
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), _BATCH_HINT)
+
+
+def drop_original(module: nn.Module) -> None:
+    """Replace `module.weight` by a shape-only (meta) parameter once its packed copy exists.
+
+    The packed copy is the only one used from then on; keeping both would double the memory of
+    every weight. Shape, dtype and parameter counts stay visible; loading weights again is not
+    supported after this.
+    """
+    weight = module.weight
+    meta = torch.empty(weight.shape, dtype=weight.dtype, device="meta")
+    module.weight = nn.Parameter(meta, requires_grad=False)
 
 
 def linear(

@@ -36,6 +36,8 @@ class LinearBase(nn.Module):
     def process_weights_after_loading(self) -> None:
         """Prepare the loaded weight for the fast matmul path (oneDNN packing on CPU fp32)."""
         self.packed_weight = gemm.prepack(self.weight)
+        if self.packed_weight is not None:
+            gemm.drop_original(self)
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
