@@ -6,6 +6,7 @@ torch code that computes the same thing (and that is the path CUDA takes).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -63,6 +64,9 @@ def _prepare_build_dir() -> list[str]:
 
 def load() -> bool:
     """Build (once per machine) and load the kernels; False when they cannot be had."""
+    loaded = _state.get("loaded")
+    if loaded is not None:  # the hot path: asked several times per layer and step
+        return loaded
     with _lock:
         if "loaded" not in _state:
             try:
@@ -89,7 +93,12 @@ def supports(q: torch.Tensor, key_cache: torch.Tensor) -> bool:
     """Whether the native decode kernel handles these shapes, dtype and device."""
     if q.device.type != "cpu" or q.dtype != torch.float32 or not load():
         return False
-    block_size, head_dim, group = key_cache.shape[-1], q.shape[-1], q.shape[1] // key_cache.shape[1]
+    return _decode_shape_supported(key_cache.shape[-1], q.shape[-1], q.shape[1] // key_cache.shape[1])
+
+
+@functools.cache
+def _decode_shape_supported(block_size: int, head_dim: int, group: int) -> bool:
+    # Asked once per layer per step with the same few shapes: remember the kernel's answer.
     return bool(torch.ops.vllm_lite.paged_decode_supported(block_size, head_dim, group))
 
 

@@ -126,9 +126,8 @@ class ModelRunner:
         )
 
     def _update_states(self, sched: SchedulerOutput) -> None:
-        for req_id in sched.finished_req_ids:
-            self.requests.pop(req_id, None)
-        for req_id in sched.preempted_req_ids:
+        # Preempted requests are dropped like finished ones; they come back as NewRequestData.
+        for req_id in (*sched.finished_req_ids, *sched.preempted_req_ids):
             self.requests.pop(req_id, None)
         for data in sched.new_reqs:
             self.requests[data.req_id] = CachedRequestState.from_new(data)
