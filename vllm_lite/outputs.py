@@ -28,7 +28,5 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     num_cached_tokens: int = 0
-
-    @property
-    def finished(self) -> bool:
-        return all(o.finish_reason is not None for o in self.outputs)
+    # True on the last output of a request (all of its n sequences have ended).
+    finished: bool = False

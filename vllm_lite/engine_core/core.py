@@ -10,6 +10,7 @@ from vllm_lite.config import EngineConfig
 from vllm_lite.engine_core.executor import Executor, UniProcExecutor
 from vllm_lite.engine_core.request import Request
 from vllm_lite.engine_core.scheduler import Scheduler, SchedulerStats
+from vllm_lite.inputs import validate_prompt_token_ids
 from vllm_lite.protocol.messages import EngineCoreOutput, EngineCoreRequest
 
 logger = logging.getLogger(__name__)
@@ -58,18 +59,9 @@ class EngineCore:
 
     def validate_prompt(self, token_ids: list[int]) -> None:
         """Reject empty, out-of-vocabulary or too long prompts with a clear message."""
-        if not token_ids:
-            raise ValueError("the prompt is empty")
-        vocab = self.config.model_config.vocab_size
-        bad = [t for t in token_ids if not (isinstance(t, int) and 0 <= t < vocab)]
-        if bad:
-            raise ValueError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
-        limit = self.config.scheduler_config.max_model_len
-        if len(token_ids) >= limit:
-            raise ValueError(
-                f"the prompt has {len(token_ids)} tokens but max_model_len is {limit}; "
-                "it must leave room for at least one generated token"
-            )
+        validate_prompt_token_ids(
+            token_ids, self.config.model_config.vocab_size, self.config.scheduler_config.max_model_len
+        )
 
     def abort_requests(self, req_ids: list[str]) -> list[EngineCoreOutput]:
         """Abort requests and free their KV blocks at once."""

@@ -12,10 +12,8 @@ from vllm_lite.engine_core.core import EngineCore
 from vllm_lite.outputs import CompletionOutput, RequestOutput
 from vllm_lite.protocol.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
 from vllm_lite.protocol.sampling_params import SamplingParams
+from vllm_lite.inputs import PromptType, prompt_text, tokenize_prompt
 from vllm_lite.tokenizer import apply_chat_template, load_tokenizer
-
-# A prompt: text, token ids, or {"prompt_token_ids": [...]} / {"prompt": "..."}.
-PromptType = str | Sequence[int] | dict[str, Any]
 
 
 class _Sample:
@@ -57,9 +55,7 @@ class LLM:
         """Generate for each prompt; returns outputs in prompt order once all have finished."""
         prompt_list = self._as_prompt_list(prompts)
         token_lists = [self._tokenize(p) for p in prompt_list]
-        texts = [
-            p if isinstance(p, str) else p.get("prompt") if isinstance(p, dict) else None for p in prompt_list
-        ]
+        texts = [prompt_text(p) for p in prompt_list]
         return self._run(token_lists, texts, sampling_params)
 
     def chat(
@@ -86,17 +82,7 @@ class LLM:
         return prompts
 
     def _tokenize(self, prompt: PromptType) -> list[int]:
-        if self.tokenizer is None and (
-            isinstance(prompt, str) or (isinstance(prompt, dict) and "prompt" in prompt)
-        ):
-            raise ValueError("text prompts need a tokenizer; this LLM was made with skip_tokenizer_init")
-        if isinstance(prompt, str):
-            return list(self.tokenizer(prompt).input_ids)
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return list(prompt["prompt_token_ids"])
-            return list(self.tokenizer(prompt["prompt"]).input_ids)
-        return list(prompt)
+        return tokenize_prompt(self.tokenizer, prompt)
 
     def _run(
         self,
@@ -150,6 +136,7 @@ class LLM:
             )
         for result in results:
             result.outputs.sort(key=lambda o: o.index)
+            result.finished = True
         return results
 
     def _process(self, out: EngineCoreOutput, samples: dict[str, tuple[RequestOutput, _Sample]]) -> None:

@@ -38,6 +38,9 @@ class EngineCoreOutput(msgspec.Struct, frozen=True):
     stop_reason: int | None = None
     # Prompt tokens served from the prefix cache when the request was first scheduled.
     num_cached_tokens: int = 0
+    # Set when the engine refused or failed this one request (finish_reason is then ABORT); the
+    # engine itself keeps serving.
+    error: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -62,7 +65,8 @@ class UtilityResult(msgspec.Struct, frozen=True, tag="utility_result"):
     """The reply to a UtilityCall: a msgpack-encoded result, or an error message."""
 
     call_id: int
-    result: msgspec.Raw | None = None
+    # msgpack bytes of the return value (msgpack nil by default); msgspec cannot put Raw in a union.
+    result: msgspec.Raw = msgspec.Raw(b"\xc0")
     error: str | None = None
 
 
@@ -87,7 +91,8 @@ class EngineCoreOutputs(msgspec.Struct, frozen=True, tag="outputs"):
 
 
 class EngineDead(msgspec.Struct, frozen=True, tag="engine_dead"):
-    """Sent by an engine core on a fatal error, just before it exits."""
+    """Sent by an engine core on a fatal error, just before it exits (on the output socket, or on
+    the handshake socket when it fails during startup)."""
 
     engine_index: int
     reason: str
@@ -122,5 +127,5 @@ class Ready(msgspec.Struct, frozen=True, tag="ready"):
 # Every top-level message, by direction: a decoder accepts exactly one of these unions.
 ToEngine = EngineCoreRequest | EngineCoreAbort | UtilityCall
 FromEngine = EngineCoreOutputs | UtilityResult | EngineDead
-HandshakeToFrontend = Hello | Ready
+HandshakeToFrontend = Hello | Ready | EngineDead
 HandshakeToEngine = HandshakeAddresses

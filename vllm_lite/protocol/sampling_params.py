@@ -8,6 +8,7 @@ way it came. Every error is a `ValueError` (msgspec wraps it in `msgspec.Validat
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Callable
 
@@ -20,6 +21,14 @@ _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 MASK64 = 2**64 - 1
 # Salt so that child seeds of an n>1 fan-out come from another stream than the sampler's draws.
 _CLONE_SALT = 0x5EED_C10E_5A17_0001
+
+
+class RequestOutputKind(enum.StrEnum):
+    """What each output of a streaming request carries (the frontend's concern, not the engine's)."""
+
+    CUMULATIVE = "cumulative"  # everything generated so far
+    DELTA = "delta"  # only what is new since the previous output
+    FINAL_ONLY = "final_only"  # one output, when the request has finished
 
 
 def _in_2(v: float) -> bool:
@@ -65,6 +74,7 @@ class SamplingParams(
     - max_tokens None means "until max_model_len"; min_tokens suppresses EOS and stop_token_ids.
     - stop strings are applied by the frontend; stop_token_ids by the engine.
     - logprobs: number of top alternatives to report (0 = only the sampled token), at most 20.
+    - output_kind: what `AsyncEngineClient.generate` yields (cumulative, delta or final only).
     """
 
     n: int = 1
@@ -84,6 +94,7 @@ class SamplingParams(
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         set_ = msgspec.structs.force_setattr
@@ -115,6 +126,11 @@ class SamplingParams(
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             if type(getattr(self, name)) is not bool:
                 raise ValueError(f"{name} must be a bool; got {getattr(self, name)!r}")
+        try:
+            set_(self, "output_kind", RequestOutputKind(self.output_kind))
+        except ValueError:
+            kinds = ", ".join(k.value for k in RequestOutputKind)
+            raise ValueError(f"output_kind must be one of {kinds}; got {self.output_kind!r}") from None
         if self.logprobs is not None:
             _int("logprobs", self.logprobs, 0, MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}] or None")
         # Normalize once so every consumer sees one spelling: floats as float, "disabled" as 0.

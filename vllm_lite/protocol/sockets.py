@@ -64,9 +64,12 @@ class MessageReceiver(Generic[T]):
 def make_socket(
     context: zmq.Context, kind: int, address: str, bind: bool, identity: bytes | None = None
 ) -> zmq.Socket:
-    """A socket that never blocks process exit on unsent messages (linger 0)."""
+    """A socket that never blocks process exit on unsent messages (linger 0) and never drops or
+    blocks on a full queue (no high-water mark: what is in flight is bounded by the requests)."""
     socket = context.socket(kind)
     socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.SNDHWM, 0)
+    socket.setsockopt(zmq.RCVHWM, 0)
     if identity is not None:
         socket.setsockopt(zmq.IDENTITY, identity)
     if bind:

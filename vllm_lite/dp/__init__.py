@@ -1,0 +1,1 @@
+"""Data-parallel concerns shared by launchers, engine cores and the client."""

@@ -1,0 +1,261 @@
+"""The engine-core process: handshake, then a busy loop around `EngineCore` fed by ZMQ IO threads.
+
+Threads of one engine-core process:
+- main: the busy loop (drain the input queue, step, queue the outputs). Torch releases the GIL in
+  its kernels, so the IO threads run while the model does.
+- input: receives frames from the frontend's ROUTER, decodes them (bad frames are dropped and
+  logged by the codec) and queues them for the busy loop.
+- output: encodes and sends each step's `EngineCoreOutputs` on the PUSH socket.
+- watchdog: exits the process when its parent dies (no orphans, even mid-step).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+
+import msgspec
+import zmq
+
+from vllm_lite.config import EngineConfig
+from vllm_lite.dp.env import DPEnv
+from vllm_lite.engine_core.core import EngineCore
+from vllm_lite.protocol.messages import (
+    EngineCoreAbort,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineDead,
+    EngineStats,
+    FinishReason,
+    HandshakeAddresses,
+    HandshakeToEngine,
+    Hello,
+    Ready,
+    ToEngine,
+    UtilityCall,
+    UtilityResult,
+)
+from vllm_lite.protocol.sockets import MessageReceiver, MessageSender, make_socket
+
+logger = logging.getLogger(__name__)
+
+PARENT_POLL_S = 0.25
+# How long a fatal error's EngineDead notice may take to leave before the process exits anyway.
+FLUSH_ON_EXIT_MS = 2000
+
+
+@dataclass(frozen=True)
+class EngineIdentity:
+    """Where an engine core reports during startup and what keeps it alive; its DP rank comes
+    from the DP env vars (`vllm_lite.dp.env`), the launch contract."""
+
+    handshake_address: str
+    # The process that must be alive for this engine to live (None: no watch, e.g. a Ray actor).
+    parent_pid: int | None
+    local: bool = True
+    headless: bool = False
+    handshake_timeout_s: float = 600.0
+    log_level: str = "WARNING"
+
+
+def config_hash(config: EngineConfig) -> str:
+    """A digest of what must agree between the DP ranks and the frontend (model, lengths, cache)."""
+    mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config
+    fields = (mc.source, mc.dtype, mc.max_model_len, mc.tokenizer, cc.block_size, sc.max_model_len)
+    return hashlib.sha256(repr(fields).encode()).hexdigest()[:16]
+
+
+def run_engine_core(config: EngineConfig, identity: EngineIdentity) -> None:
+    """Process entry point: handshake, build the engine, serve until killed or the parent dies."""
+    from vllm_lite import __version__
+
+    dp_rank = DPEnv.from_env().rank
+    logging.basicConfig(
+        level=identity.log_level.upper(), format=f"%(levelname)s engine{dp_rank} %(name)s: %(message)s"
+    )
+    if identity.parent_pid is not None:
+        _start_parent_watchdog(identity.parent_pid)
+    # Ctrl-C reaches the whole process group; the frontend decides when engines stop (SIGTERM).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    context = zmq.Context()
+    handshake = make_socket(
+        context, zmq.DEALER, identity.handshake_address, bind=False, identity=str(dp_rank).encode()
+    )
+    sender = MessageSender(handshake)
+    sender.send(Hello(dp_rank=dp_rank, local=identity.local, headless=identity.headless))
+    receiver: MessageReceiver[HandshakeToEngine] = MessageReceiver(handshake, HandshakeToEngine, "handshake")
+    addresses = _wait_for_addresses(receiver, identity.handshake_timeout_s)
+    try:
+        core = EngineCore(config)
+    except BaseException as exc:
+        logger.exception("engine core %d failed to start", dp_rank)
+        sender.send(EngineDead(engine_index=dp_rank, reason=f"startup failed: {exc!r}"))
+        handshake.close(linger=FLUSH_ON_EXIT_MS)
+        context.term()
+        sys.exit(1)
+    proc = EngineCoreProc(core, dp_rank, addresses, context)
+    sender.send(
+        Ready(
+            dp_rank=dp_rank,
+            max_model_len=config.scheduler_config.max_model_len,
+            num_kv_blocks=core.num_kv_blocks,
+            block_size=config.cache_config.block_size,
+            version=__version__,
+            config_hash=config_hash(config),
+        )
+    )
+    handshake.close(linger=FLUSH_ON_EXIT_MS)
+    try:
+        proc.run_busy_loop()
+    finally:
+        core.shutdown()
+
+
+def _wait_for_addresses(receiver: MessageReceiver[HandshakeToEngine], timeout_s: float) -> HandshakeAddresses:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if receiver.poll(100):
+            message = receiver.recv()
+            if isinstance(message, HandshakeAddresses):
+                return message
+    logger.error("no handshake reply from the frontend within %.0f s; exiting", timeout_s)
+    sys.exit(1)
+
+
+def _start_parent_watchdog(parent_pid: int) -> None:
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(PARENT_POLL_S)
+        # os._exit: runs even while the main thread is inside a long model step.
+        logger.error("the parent process %d is gone; engine core exiting", parent_pid)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
+
+
+class EngineCoreProc:
+    """Serves one EngineCore over the frontend's request and output sockets."""
+
+    def __init__(
+        self, core: EngineCore, engine_index: int, addresses: HandshakeAddresses, context: zmq.Context
+    ) -> None:
+        self.core = core
+        self.engine_index = engine_index
+        self.input_queue: queue.Queue[ToEngine] = queue.Queue()
+        self.output_queue: queue.Queue[msgspec.Struct | None] = queue.Queue()
+        self._input_socket = make_socket(
+            context, zmq.DEALER, addresses.input_address, bind=False, identity=str(engine_index).encode()
+        )
+        self._output_socket = make_socket(context, zmq.PUSH, addresses.output_address, bind=False)
+        threading.Thread(target=self._input_loop, name="engine-input", daemon=True).start()
+        self._output_thread = threading.Thread(target=self._output_loop, name="engine-output", daemon=True)
+        self._output_thread.start()
+        self._utilities = {
+            "get_stats": self._stats,
+            "reset_prefix_cache": self.core.scheduler.kv_cache_manager.reset_prefix_cache,
+            "ping": lambda: "pong",
+        }
+
+    def run_busy_loop(self) -> None:
+        """Serve forever; on a fatal error tell the frontend (EngineDead) and exit non-zero."""
+        try:
+            while True:
+                self._process_input(block=not self.core.has_unfinished_requests())
+                outputs = self.core.step()
+                if outputs:
+                    self._send_outputs(outputs)
+        except SystemExit:
+            raise
+        except BaseException as exc:
+            logger.error("engine core %d failed:\n%s", self.engine_index, traceback.format_exc())
+            self.output_queue.put(
+                EngineDead(engine_index=self.engine_index, reason=f"{type(exc).__name__}: {exc}")
+            )
+            self.output_queue.put(None)
+            self._output_thread.join(timeout=FLUSH_ON_EXIT_MS / 1000 + 1)
+            sys.exit(1)
+
+    def _process_input(self, block: bool) -> None:
+        """Handle every queued message; when idle, wait for the first one."""
+        if block:
+            self._handle(self.input_queue.get())
+        while True:
+            try:
+                message = self.input_queue.get_nowait()
+            except queue.Empty:
+                return
+            self._handle(message)
+
+    def _handle(self, message: ToEngine) -> None:
+        if isinstance(message, EngineCoreRequest):
+            try:
+                self.core.add_request(message)
+            except ValueError as exc:
+                # One bad request never takes the engine down: it ends with an explicit error.
+                failed = EngineCoreOutput(
+                    req_id=message.req_id, new_token_ids=[], finish_reason=FinishReason.ABORT, error=str(exc)
+                )
+                self._send_outputs([failed])
+        elif isinstance(message, EngineCoreAbort):
+            self.core.abort_requests(message.req_ids)
+        elif isinstance(message, UtilityCall):
+            self.output_queue.put(self._call_utility(message))
+
+    def _call_utility(self, call: UtilityCall) -> UtilityResult:
+        method = self._utilities.get(call.method)
+        if method is None:
+            return UtilityResult(call_id=call.call_id, error=f"unknown utility method {call.method!r}")
+        try:
+            args = [msgspec.msgpack.decode(a) for a in call.args]
+            result = method(*args)
+            return UtilityResult(call_id=call.call_id, result=msgspec.Raw(msgspec.msgpack.encode(result)))
+        except Exception as exc:
+            return UtilityResult(call_id=call.call_id, error=f"{type(exc).__name__}: {exc}")
+
+    def _stats(self) -> EngineStats:
+        s = self.core.get_stats()
+        return EngineStats(
+            num_running=s.num_running,
+            num_waiting=s.num_waiting,
+            kv_cache_usage=s.kv_cache_usage,
+            prefix_cache_queries=s.prefix_cache_queries,
+            prefix_cache_hits=s.prefix_cache_hits,
+            num_preemptions=s.num_preemptions,
+        )
+
+    def _send_outputs(self, outputs: list[EngineCoreOutput]) -> None:
+        self.output_queue.put(
+            EngineCoreOutputs(
+                engine_index=self.engine_index, outputs=outputs, stats=self._stats(), timestamp=time.time()
+            )
+        )
+
+    def _input_loop(self) -> None:
+        # An empty frame registers our identity with the frontend's ROUTER, which can route to us
+        # only once it has heard from us; the frontend waits for it before sending requests.
+        self._input_socket.send(b"")
+        receiver: MessageReceiver[ToEngine] = MessageReceiver(self._input_socket, ToEngine, "engine input")
+        while True:
+            message = receiver.recv()
+            if message is not None:
+                self.input_queue.put(message)
+
+    def _output_loop(self) -> None:
+        sender = MessageSender(self._output_socket)
+        while True:
+            message = self.output_queue.get()
+            if message is None:
+                # Give a last EngineDead time to leave before the socket goes.
+                self._output_socket.close(linger=FLUSH_ON_EXIT_MS)
+                return
+            sender.send(message)

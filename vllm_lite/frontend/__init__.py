@@ -1,0 +1,1 @@
+"""The API side: AsyncEngineClient, input and output processing (and, later, the OpenAI server)."""

@@ -1,0 +1,149 @@
+"""The frontend's link to its engine cores: sockets, startup, an output thread, liveness.
+
+No asyncio here: the output thread receives and decodes each engine step's batch and hands it to
+a callback (the `AsyncEngineClient` forwards it to its event loop). Sending happens on the
+caller's thread (the client's loop).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import threading
+import time
+from collections.abc import Callable
+
+import zmq
+
+from vllm_lite.config import EngineConfig
+from vllm_lite.errors import EngineDeadError, EngineStartupError
+from vllm_lite.launchers.base import EngineLauncher
+from vllm_lite.protocol.codec import encode
+from vllm_lite.protocol.messages import (
+    EngineDead,
+    FromEngine,
+    HandshakeAddresses,
+    Ready,
+    ToEngine,
+)
+from vllm_lite.protocol.sockets import MessageReceiver, ipc_address, make_socket, new_runtime_dir
+
+logger = logging.getLogger(__name__)
+
+OUTPUT_POLL_MS = 100
+# After READY, how long each rank's input socket may take to register with our ROUTER.
+REGISTER_TIMEOUT_S = 30.0
+
+
+class EngineCoreClient:
+    """Starts the engines through a launcher and moves messages to and from them.
+
+    `on_message(message)` is called on the output thread for every decoded frame
+    (EngineCoreOutputs, UtilityResult); `on_engine_dead(rank, reason)` on whichever thread
+    notices a death first (the launcher's monitor, or the output thread for an EngineDead notice).
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        launcher: EngineLauncher,
+        on_message: Callable[[FromEngine], None],
+        on_engine_dead: Callable[[int, str], None],
+        startup_timeout_s: float,
+    ) -> None:
+        self.launcher = launcher
+        self._on_message = on_message
+        self._on_engine_dead = on_engine_dead
+        self._stop = threading.Event()
+        self._closed = False
+        self.runtime_dir = new_runtime_dir()
+        self.context = zmq.Context()
+        try:
+            self.ready = self._start(config, startup_timeout_s)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, config: EngineConfig, timeout_s: float) -> dict[int, Ready]:
+        handshake_address = ipc_address(self.runtime_dir, "handshake")
+        addresses = HandshakeAddresses(
+            input_address=ipc_address(self.runtime_dir, "input"),
+            output_address=ipc_address(self.runtime_dir, "output"),
+        )
+        handshake = make_socket(self.context, zmq.ROUTER, handshake_address, bind=True)
+        self.input_socket = make_socket(self.context, zmq.ROUTER, addresses.input_address, bind=True)
+        # Sending to a rank that is not connected raises instead of silently dropping the frame.
+        self.input_socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.output_socket = make_socket(self.context, zmq.PULL, addresses.output_address, bind=True)
+        try:
+            ready = self.launcher.launch(
+                config, handshake, handshake_address, addresses, self._engine_died, timeout_s
+            )
+        finally:
+            handshake.close()
+        self._wait_for_registration(sorted(ready))
+        self._output_thread = threading.Thread(target=self._output_loop, name="engine-outputs", daemon=True)
+        self._output_thread.start()
+        return ready
+
+    def _wait_for_registration(self, ranks: list[int]) -> None:
+        """Each engine's DEALER says hello on the input socket, so that our ROUTER can route to it."""
+        pending = {str(r).encode() for r in ranks}
+        deadline = time.monotonic() + REGISTER_TIMEOUT_S
+        while pending:
+            if time.monotonic() > deadline:
+                raise EngineStartupError(f"engine cores {sorted(pending)} never connected their input socket")
+            dead = self.launcher.dead_engines()
+            if dead:
+                rank, why = min(dead.items())
+                raise EngineStartupError(f"engine core {rank} died during startup ({why})")
+            if self.input_socket.poll(100, zmq.POLLIN):
+                pending.discard(self.input_socket.recv_multipart()[0])
+
+    def send(self, rank: int, message: ToEngine) -> None:
+        """Send a message to one engine core; raises EngineDeadError if it is gone."""
+        try:
+            self.input_socket.send_multipart([str(rank).encode(), encode(message)], copy=False)
+        except zmq.ZMQError as exc:
+            raise EngineDeadError(f"engine core {rank} is unreachable: {exc}") from exc
+
+    def _output_loop(self) -> None:
+        receiver: MessageReceiver[FromEngine] = MessageReceiver(
+            self.output_socket, FromEngine, "client output"
+        )
+        while not self._stop.is_set():
+            try:
+                if not receiver.poll(OUTPUT_POLL_MS):
+                    continue
+                message = receiver.recv()
+            except zmq.ZMQError:
+                if self._stop.is_set():
+                    return
+                raise
+            if message is None:
+                continue
+            if isinstance(message, EngineDead):
+                self._engine_died(message.engine_index, message.reason)
+            else:
+                self._on_message(message)
+
+    def _engine_died(self, rank: int, reason: str) -> None:
+        if not self._stop.is_set():
+            self._on_engine_dead(rank, reason)
+
+    def close(self) -> None:
+        """Stop the engines, the output thread and the sockets (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        self.launcher.shutdown()
+        thread = getattr(self, "_output_thread", None)
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5)
+        for name in ("input_socket", "output_socket"):
+            socket = getattr(self, name, None)
+            if socket is not None:
+                socket.close()
+        self.context.term()
+        shutil.rmtree(self.runtime_dir, ignore_errors=True)
