@@ -9,10 +9,10 @@ from typing import Any
 
 from vllm_lite.config import DEFAULT_MODEL, EngineArgs
 from vllm_lite.engine_core.core import EngineCore
+from vllm_lite.inputs import PromptType, prompt_text, tokenize_prompt
 from vllm_lite.outputs import CompletionOutput, RequestOutput
 from vllm_lite.protocol.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
 from vllm_lite.protocol.sampling_params import SamplingParams
-from vllm_lite.inputs import PromptType, prompt_text, tokenize_prompt
 from vllm_lite.tokenizer import apply_chat_template, load_tokenizer
 
 

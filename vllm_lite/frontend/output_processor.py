@@ -108,6 +108,9 @@ class SampleState:
         if self.detokenizer is not None:
             stop_hit = self.detokenizer.update(out.new_token_ids)
         if stop_hit is not None:
+            # Tokens after the one that completed the stop string are not part of the output.
+            del self.token_ids[self.detokenizer.num_tokens :]
+            del self.logprobs[self.detokenizer.num_tokens :]
             self.finish_reason, self.stop_reason = FinishReason.STOP.value, stop_hit
         elif out.finish_reason is not None:
             self.finish_reason, self.stop_reason = out.finish_reason.value, out.stop_reason
