@@ -68,9 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     bench = sub.add_parser("bench", help="benchmarks that report ratios measured side by side")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    from vllm_lite.bench import throughput
+    from vllm_lite.bench import client, throughput
 
     throughput.add_parser(bench_sub)
+    client.add_parser(bench_sub)
     return parser
 
 
