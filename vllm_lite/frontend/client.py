@@ -73,7 +73,8 @@ class AsyncEngineClient:
         self._dead_lock = threading.Lock()
         self._shutdown = False
         self._ids = itertools.count()
-        self._utility_calls: dict[int, asyncio.Future[Any]] = {}
+        # call id -> (engine rank, future of the msgpack-encoded result)
+        self._utility_calls: dict[int, tuple[int, asyncio.Future[bytes]]] = {}
         self.output_processor = OutputProcessor()
         self.engine_stats: dict[int, EngineStats] = {}
         # The tokenizer (seconds for a GGUF) loads while the engines load their models.
@@ -232,10 +233,12 @@ class AsyncEngineClient:
         return min(live, key=lambda rank: (load[rank], rank))
 
     def _abort_engine_requests(self, state: RequestState) -> None:
-        req_ids = state.unfinished_engine_req_ids()
-        if req_ids and state.engine_index not in self.dead_engines and not self._shutdown:
+        self._send_abort(state.engine_index, state.unfinished_engine_req_ids())
+
+    def _send_abort(self, rank: int, req_ids: list[str]) -> None:
+        if req_ids and rank not in self.dead_engines and not self._shutdown:
             try:
-                self._core.send(state.engine_index, EngineCoreAbort(req_ids))
+                self._core.send(rank, EngineCoreAbort(req_ids))
             except EngineDeadError:
                 pass  # a dead engine holds no blocks to free
 
@@ -243,8 +246,8 @@ class AsyncEngineClient:
         self._bind_loop()
         self._check_usable()
         call_id = next(self._ids)
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._utility_calls[call_id] = future
+        future: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+        self._utility_calls[call_id] = (rank, future)
         try:
             raw_args = [msgspec.Raw(msgspec.msgpack.encode(a)) for a in args]
             self._core.send(rank, UtilityCall(call_id=call_id, method=method, args=raw_args))
@@ -280,10 +283,9 @@ class AsyncEngineClient:
             if message.stats is not None:
                 self.engine_stats[message.engine_index] = message.stats
             to_abort = self.output_processor.process_outputs(message.outputs)
-            if to_abort and message.engine_index not in self.dead_engines:
-                self._core.send(message.engine_index, EngineCoreAbort(to_abort))
+            self._send_abort(message.engine_index, to_abort)
         elif isinstance(message, UtilityResult):
-            future = self._utility_calls.get(message.call_id)
+            rank, future = self._utility_calls.get(message.call_id, (None, None))
             if future is None or future.done():
                 return
             if message.error is not None:
@@ -292,14 +294,15 @@ class AsyncEngineClient:
                 future.set_result(message.result)
 
     def _fail_engine(self, rank: int, reason: str) -> None:
-        self.output_processor.fail_engine(rank, EngineDeadError(f"engine core {rank} died: {reason}"))
-        for future in self._utility_calls.values():
-            if not future.done():
-                future.set_exception(EngineDeadError(f"engine core {rank} died: {reason}"))
+        error = EngineDeadError(f"engine core {rank} died: {reason}")
+        self.output_processor.fail_engine(rank, error)
+        for call_rank, future in self._utility_calls.values():
+            if call_rank == rank and not future.done():
+                future.set_exception(error)
 
     def _fail_everything(self, error: BaseException) -> None:
         for state in list(self.output_processor.requests.values()):
             self.output_processor.fail_engine(state.engine_index, error)
-        for future in self._utility_calls.values():
+        for _, future in self._utility_calls.values():
             if not future.done():
                 future.set_exception(error)
