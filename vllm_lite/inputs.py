@@ -6,6 +6,7 @@ core re-checks token ids with `validate_prompt_token_ids` since its socket may b
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -59,9 +60,14 @@ def tokenize_prompt(tokenizer: Any, prompt: PromptType, chat_template: str | Non
 
 
 def _token_list(ids: object) -> list[int]:
-    if not isinstance(ids, (list, tuple)) or not all(type(t) is int for t in ids):
-        raise ValueError("prompt token ids must be a list of integers")
-    return list(ids)
+    """A plain list of ints (numpy integers accepted; bools, floats and strings are not)."""
+    if isinstance(ids, (list, tuple)):
+        try:
+            if not any(isinstance(t, bool) for t in ids):
+                return [operator.index(t) for t in ids]
+        except TypeError:
+            pass
+    raise ValueError("prompt token ids must be a list of integers")
 
 
 def validate_prompt_token_ids(token_ids: Sequence[int], vocab_size: int, max_model_len: int) -> None:

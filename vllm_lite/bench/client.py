@@ -17,23 +17,14 @@ from typing import Any
 
 import msgspec
 
-from vllm_lite.bench.throughput import make_prompts
-from vllm_lite.config import DEFAULT_MODEL, EngineArgs, EngineConfig
+from vllm_lite.bench.throughput import add_workload_args, make_prompts
+from vllm_lite.config import EngineArgs, EngineConfig
 from vllm_lite.protocol.sampling_params import RequestOutputKind, SamplingParams
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("client", help="AsyncEngineClient (ZMQ) tokens/s vs the in-process EngineCore")
-    p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--input-len", type=int, default=64)
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=1.0, help="0 for greedy")
-    p.add_argument("--max-num-seqs", type=int, default=128)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--num-threads", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default=None, help="write the results to this file")
+    add_workload_args(p, input_len=64)
     p.set_defaults(func=run, dataset="random")
 
 

@@ -19,30 +19,35 @@ import torch
 from vllm_lite.config import DEFAULT_MODEL, EngineArgs
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("throughput", help="offline tokens/s vs HF transformers and the roofline")
+def add_workload_args(p: argparse.ArgumentParser, input_len: int) -> None:
+    """The flags every offline benchmark shares: model, prompt set, lengths, engine limits."""
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--input-len", type=int, default=input_len)
     p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=1.0, help="0 for greedy")
+    p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--num-threads", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="write the results to this file")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("throughput", help="offline tokens/s vs HF transformers and the roofline")
+    add_workload_args(p, input_len=128)
     p.add_argument(
         "--dataset",
         choices=("random", "fixed"),
         default="random",
         help="random token prompts, or one fixed prompt repeated (prefix-cache friendly)",
     )
-    p.add_argument("--temperature", type=float, default=1.0, help="0 for greedy")
     p.add_argument(
         "--hf-backend",
         choices=("generate_batch", "generate", "none"),
         default="generate_batch",
         help="the HF transformers baseline: continuous batching, padded generate, or none",
     )
-    p.add_argument("--max-num-seqs", type=int, default=128)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--num-threads", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default=None, help="write the results to this file")
     p.set_defaults(func=run)
 
 
