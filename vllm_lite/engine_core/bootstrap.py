@@ -9,11 +9,32 @@ is imported, so the parent's write returns at once.
 
 from __future__ import annotations
 
+import logging
+import os
 import pickle
 import sys
+import threading
+import time
+
+PARENT_POLL_S = 0.25
+
+
+def start_parent_watchdog(parent_pid: int) -> None:
+    """Exit this process as soon as `parent_pid` is no longer its parent (it died)."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(PARENT_POLL_S)
+        # os._exit: works even while the main thread is inside a long model step or an import.
+        logging.getLogger(__name__).error("the parent process %d is gone; engine core exiting", parent_pid)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
 
 
 def main() -> None:
+    # Before the heavy imports below (seconds of torch and transformers): no orphan even then.
+    start_parent_watchdog(os.getppid())
     payload = sys.stdin.buffer.read()
     sys.stdin.close()
     config, identity = pickle.loads(payload)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import queue
 import signal
 import sys
@@ -27,6 +26,7 @@ import zmq
 
 from vllm_lite.config import EngineConfig
 from vllm_lite.dp.env import DPEnv
+from vllm_lite.engine_core.bootstrap import start_parent_watchdog
 from vllm_lite.engine_core.core import EngineCore
 from vllm_lite.protocol.messages import (
     EngineCoreAbort,
@@ -48,7 +48,6 @@ from vllm_lite.protocol.sockets import MessageReceiver, MessageSender, make_sock
 
 logger = logging.getLogger(__name__)
 
-PARENT_POLL_S = 0.25
 # How long a fatal error's EngineDead notice may take to leave before the process exits anyway.
 FLUSH_ON_EXIT_MS = 2000
 
@@ -83,7 +82,7 @@ def run_engine_core(config: EngineConfig, identity: EngineIdentity) -> None:
         level=identity.log_level.upper(), format=f"%(levelname)s engine{dp_rank} %(name)s: %(message)s"
     )
     if identity.parent_pid is not None:
-        _start_parent_watchdog(identity.parent_pid)
+        start_parent_watchdog(identity.parent_pid)
     # Ctrl-C reaches the whole process group; the frontend decides when engines stop (SIGTERM).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
@@ -130,17 +129,6 @@ def _wait_for_addresses(receiver: MessageReceiver[HandshakeToEngine], timeout_s:
                 return message
     logger.error("no handshake reply from the frontend within %.0f s; exiting", timeout_s)
     sys.exit(1)
-
-
-def _start_parent_watchdog(parent_pid: int) -> None:
-    def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(PARENT_POLL_S)
-        # os._exit: runs even while the main thread is inside a long model step.
-        logger.error("the parent process %d is gone; engine core exiting", parent_pid)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
 
 
 class EngineCoreProc:
