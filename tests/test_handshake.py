@@ -212,6 +212,9 @@ def test_busy_loop_refuses_bad_requests_alone_and_reports_a_fatal_error(runtime_
         assert isinstance(refused, EngineCoreOutputs)
         assert refused.outputs[0].req_id == "bad" and "empty" in refused.outputs[0].error
         send(EngineCoreAbort(["x"]))
+        after_abort = receive()  # no tokens, fresh load figures
+        assert isinstance(after_abort, EngineCoreOutputs) and after_abort.outputs == []
+        assert after_abort.stats is not None
         send(EngineCoreRequest("good", [1, 2], SamplingParams(), 0.0))
         dead = receive()
         assert isinstance(dead, EngineDead)

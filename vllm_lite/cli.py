@@ -46,18 +46,54 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (not yet available)")
-    p.add_argument("model", nargs="?")
-    p.set_defaults(func=lambda args: _not_yet("serve", "the OpenAI-compatible server"))
-
-
-def _not_yet(command: str, what: str) -> int:
-    print(
-        f"vllm-lite {command}: {what} is not yet supported in this version; "
-        "use `vllm-lite generate` or the Python `LLM` class",
-        file=sys.stderr,
+    p = sub.add_parser(
+        "serve",
+        help="OpenAI-compatible HTTP server",
+        description="Serve a model over the OpenAI API (/v1/completions, /v1/chat/completions, "
+        "/v1/models, /health, /version, /metrics).",
     )
-    return 2
+    EngineArgs.add_cli_args(p)
+    server = p.add_argument_group("server")
+    server.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    server.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
+    server.add_argument(
+        "--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (or $VLLM_LITE_API_KEY)"
+    )
+    server.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
+    server.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds in-flight requests may take to finish before they are aborted",
+    )
+    server.add_argument(
+        "--log-level", default=argparse.SUPPRESS, choices=("debug", "info", "warning", "error")
+    )
+    dp = p.add_argument_group("data parallel (coming: only the defaults are supported in this version)")
+    dp.add_argument("--data-parallel-backend", "-dpb", default="mp", choices=("mp", "ray"))
+    dp.add_argument("--data-parallel-size-local", "-dpl", type=int, default=None)
+    dp.add_argument("--data-parallel-address", "-dpa", default=None)
+    dp.add_argument("--data-parallel-rpc-port", "-dpp", type=int, default=None)
+    dp.add_argument("--data-parallel-start-rank", "-dpr", type=int, default=None)
+    dp.add_argument("--headless", action="store_true", help="run engine cores only, no API server")
+    p.set_defaults(func=_run_serve)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    later = {
+        "--data-parallel-backend ray": args.data_parallel_backend == "ray",
+        "--data-parallel-size-local": args.data_parallel_size_local is not None,
+        "--data-parallel-address": args.data_parallel_address is not None,
+        "--data-parallel-rpc-port": args.data_parallel_rpc_port is not None,
+        "--data-parallel-start-rank": args.data_parallel_start_rank is not None,
+        "--headless": args.headless,
+    }
+    for flag, given in later.items():
+        if given:
+            raise ValueError(f"{flag} is not yet supported in this version")
+    from vllm_lite.frontend.openai.api_server import run_server
+
+    return run_server(args)
 
 
 def build_parser() -> argparse.ArgumentParser:

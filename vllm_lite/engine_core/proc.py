@@ -196,6 +196,8 @@ class EngineCoreProc:
                 self._send_outputs([failed])
         elif isinstance(message, EngineCoreAbort):
             self.core.abort_requests(message.req_ids)
+            # No tokens to report, but the load changed: the balancer and /metrics should know.
+            self._send_outputs([])
         elif isinstance(message, UtilityCall):
             self.output_queue.put(self._call_utility(message))
 

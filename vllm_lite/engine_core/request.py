@@ -8,6 +8,7 @@ of what it needs, built from `NewRequestData` / `CachedRequestData`.
 from __future__ import annotations
 
 import enum
+import time
 from collections.abc import Sequence
 
 from vllm_lite.protocol.messages import EngineCoreRequest, FinishReason
@@ -71,6 +72,10 @@ class Request:
         self.status = RequestStatus.WAITING
         # Prompt tokens served by the prefix cache when the request was first scheduled.
         self.num_cached_tokens = 0
+        # Seconds between reaching the engine and first being scheduled; reported once.
+        self.received_time = time.monotonic()
+        self.queue_time_s: float | None = None
+        self.queue_time_reported = False
         # The token (EOS or a stop_token_id) that ended the request, if any.
         self.stop_reason: int | None = None
         # Content hashes of the request's full blocks, filled in by the KV-cache manager. Tokens

@@ -15,6 +15,7 @@ must be followed by `update_from_output()` before the next `schedule()`.
 from __future__ import annotations
 
 import bisect
+import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -154,6 +155,7 @@ class Scheduler:
             self.waiting.popleft()
             if request.status == RequestStatus.WAITING:
                 request.num_cached_tokens = num_computed
+                request.queue_time_s = time.monotonic() - request.received_time
             request.num_computed_tokens = num_computed
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=lambda r: self._arrival_order[r.req_id])
@@ -266,6 +268,9 @@ class Scheduler:
     def _output(
         request: Request, new_token_ids: list[int], new_logprobs: list[SampleLogprobs] | None
     ) -> EngineCoreOutput:
+        queue_time_s = None
+        if not request.queue_time_reported:
+            queue_time_s, request.queue_time_reported = request.queue_time_s, True
         return EngineCoreOutput(
             req_id=request.req_id,
             new_token_ids=new_token_ids,
@@ -273,4 +278,5 @@ class Scheduler:
             finish_reason=request.finish_reason,
             stop_reason=request.stop_reason,
             num_cached_tokens=request.num_cached_tokens,
+            queue_time_s=queue_time_s,
         )

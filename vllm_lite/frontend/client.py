@@ -27,6 +27,7 @@ from vllm_lite.config import EngineArgs, EngineConfig, ModelConfig
 from vllm_lite.errors import EngineDeadError, RequestError
 from vllm_lite.frontend.core_client import EngineCoreClient
 from vllm_lite.frontend.input_processor import InputProcessor
+from vllm_lite.frontend.metrics import Metrics
 from vllm_lite.frontend.output_processor import OutputProcessor, RequestState
 from vllm_lite.inputs import PromptType
 from vllm_lite.launchers.base import EngineLauncher
@@ -59,6 +60,7 @@ class AsyncEngineClient:
         skip_tokenizer_init: bool = False,
         log_level: str = "WARNING",
         startup_timeout_s: float = 600.0,
+        metrics: Metrics | None = None,
     ) -> None:
         """Start the engine cores and wait until every one is ready (blocks; model loading takes
         seconds). Raises EngineStartupError if any of them fails."""
@@ -75,7 +77,8 @@ class AsyncEngineClient:
         self._ids = itertools.count()
         # call id -> (engine rank, future of the msgpack-encoded result)
         self._utility_calls: dict[int, tuple[int, asyncio.Future[bytes]]] = {}
-        self.output_processor = OutputProcessor()
+        self.metrics = metrics
+        self.output_processor = OutputProcessor(metrics)
         self.engine_stats: dict[int, EngineStats] = {}
         # The tokenizer (seconds for a GGUF) loads while the engines load their models.
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
@@ -173,7 +176,11 @@ class AsyncEngineClient:
     async def get_engine_stats(self, engine_index: int = 0) -> EngineStats:
         """Fresh load figures from one engine core (a round trip through its busy loop)."""
         raw = await self._call_utility(engine_index, "get_stats")
-        return msgspec.msgpack.decode(raw, type=EngineStats)
+        stats = msgspec.msgpack.decode(raw, type=EngineStats)
+        self.engine_stats[engine_index] = stats
+        if self.metrics is not None:
+            self.metrics.update_engine_stats(engine_index, stats)
+        return stats
 
     async def reset_prefix_cache(self) -> None:
         """Drop every engine's cached prefix blocks that no running request uses."""
@@ -282,6 +289,8 @@ class AsyncEngineClient:
         if isinstance(message, EngineCoreOutputs):
             if message.stats is not None:
                 self.engine_stats[message.engine_index] = message.stats
+                if self.metrics is not None:
+                    self.metrics.update_engine_stats(message.engine_index, message.stats)
             to_abort = self.output_processor.process_outputs(message.outputs)
             self._send_abort(message.engine_index, to_abort)
         elif isinstance(message, UtilityResult):

@@ -9,7 +9,8 @@ merges outputs a slow consumer has not taken yet (so memory does not grow with i
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+import time
+from typing import TYPE_CHECKING, Any
 
 from vllm_lite.errors import RequestError
 from vllm_lite.frontend.detokenizer import IncrementalDetokenizer
@@ -17,6 +18,9 @@ from vllm_lite.outputs import CompletionOutput, RequestOutput
 from vllm_lite.protocol.messages import EngineCoreOutput, FinishReason
 from vllm_lite.protocol.sampling_params import RequestOutputKind, SamplingParams
 from vllm_lite.protocol.step import SampleLogprobs
+
+if TYPE_CHECKING:
+    from vllm_lite.frontend.metrics import Metrics
 
 
 class RequestOutputCollector:
@@ -162,6 +166,9 @@ class RequestState:
         self.kind = params.output_kind
         self.engine_index = engine_index
         self.num_cached_tokens = 0
+        self.arrival_time = time.monotonic()
+        self.last_token_time: float | None = None
+        self.queue_time_s: float | None = None
         self.collector = RequestOutputCollector(self.kind)
         self.samples: dict[str, SampleState] = {}
         for i, req_id in enumerate(engine_req_ids):
@@ -205,9 +212,10 @@ class RequestState:
 class OutputProcessor:
     """Routes engine outputs to request states; knows every request in flight."""
 
-    def __init__(self) -> None:
+    def __init__(self, metrics: Metrics | None = None) -> None:
         self.requests: dict[str, RequestState] = {}  # by user request id
         self._by_engine_req: dict[str, RequestState] = {}
+        self.metrics = metrics
 
     def add_request(self, state: RequestState) -> None:
         if state.request_id in self.requests:
@@ -216,17 +224,26 @@ class OutputProcessor:
         for req_id in state.samples:
             self._by_engine_req[req_id] = state
 
-    def remove_request(self, request_id: str) -> RequestState | None:
+    def remove_request(self, request_id: str, finish_reason: str | None = "abort") -> RequestState | None:
+        """Forget a request; `finish_reason` is what the metrics count it as."""
         state = self.requests.pop(request_id, None)
         if state is not None:
             for req_id in state.samples:
                 self._by_engine_req.pop(req_id, None)
+            if self.metrics is not None:
+                self.metrics.observe_finished(
+                    time.monotonic() - state.arrival_time,
+                    state.queue_time_s,
+                    len(state.prompt_token_ids),
+                    finish_reason,
+                )
         return state
 
     def process_outputs(self, outputs: list[EngineCoreOutput]) -> list[str]:
         """Apply one engine step; returns engine request ids the engine must abort (stop strings)."""
         to_abort: list[str] = []
         touched: dict[str, RequestState] = {}
+        now = time.monotonic()
         for out in outputs:
             state = self._by_engine_req.get(out.req_id)
             if state is None:
@@ -240,6 +257,14 @@ class OutputProcessor:
                 continue
             if out.num_cached_tokens:
                 state.num_cached_tokens = out.num_cached_tokens
+            if out.queue_time_s is not None and state.queue_time_s is None:
+                state.queue_time_s = out.queue_time_s
+            if self.metrics is not None and out.new_token_ids:
+                last = state.last_token_time
+                since = now - (last if last is not None else state.arrival_time)
+                self.metrics.observe_tokens(len(out.new_token_ids), last is None, since)
+            if out.new_token_ids:
+                state.last_token_time = now
             if sample.apply(out) == "abort":
                 to_abort.append(out.req_id)
             touched[state.request_id] = state
@@ -248,7 +273,8 @@ class OutputProcessor:
             if output is not None:
                 state.collector.put(output)
             if state.finished:
-                self.remove_request(state.request_id)
+                first = next(iter(state.samples.values()))
+                self.remove_request(state.request_id, first.finish_reason)
         return to_abort
 
     def fail_engine(self, engine_index: int, error: BaseException) -> None:
@@ -258,4 +284,4 @@ class OutputProcessor:
 
     def _fail(self, state: RequestState, error: BaseException) -> None:
         state.collector.put(error)
-        self.remove_request(state.request_id)
+        self.remove_request(state.request_id, "error")

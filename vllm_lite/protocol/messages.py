@@ -41,6 +41,8 @@ class EngineCoreOutput(msgspec.Struct, frozen=True):
     # Set when the engine refused or failed this one request (finish_reason is then ABORT); the
     # engine itself keeps serving.
     error: str | None = None
+    # On a request's first output: seconds it waited in the engine before first being scheduled.
+    queue_time_s: float | None = None
 
     @property
     def finished(self) -> bool:
