@@ -6,11 +6,12 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
+from starlette.types import Send
 
 from vllm_lite.errors import EngineDeadError, RequestError
 from vllm_lite.frontend.client import AsyncEngineClient
@@ -130,6 +131,22 @@ async def merge(streams: list[PrimedStream]) -> AsyncIterator[tuple[int, Request
             await stream.aclose()
 
 
+class EventStreamResponse(StreamingResponse):
+    """SSE response that always closes its event iterator, also when the client went away
+    mid-stream: closing it is what aborts the request in the engine at once."""
+
+    def __init__(self, events: AsyncIterator[str]) -> None:
+        super().__init__(events, media_type="text/event-stream")
+
+    async def stream_response(self, send: Send) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+
 def sse(payload: BaseModel | dict[str, Any] | str) -> str:
     """One server-sent event."""
     if isinstance(payload, BaseModel):
@@ -141,9 +158,7 @@ def sse(payload: BaseModel | dict[str, Any] | str) -> str:
     return f"data: {data}\n\n"
 
 
-async def sse_stream(
-    events: AsyncIterator[BaseModel], on_error: Callable[[], None] | None = None
-) -> AsyncIterator[str]:
+async def sse_stream(events: AsyncIterator[BaseModel]) -> AsyncIterator[str]:
     """Events as SSE, an error event if the stream fails midway, then `[DONE]`."""
     try:
         async for event in events:
@@ -151,8 +166,7 @@ async def sse_stream(
     except Exception as exc:
         yield sse(as_api_error(exc).body())
     finally:
-        if on_error is not None:
-            on_error()
+        await events.aclose()  # type: ignore[attr-defined]
     yield sse("[DONE]")
 
 

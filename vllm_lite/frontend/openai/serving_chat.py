@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from vllm_lite.frontend.client import AsyncEngineClient
 from vllm_lite.frontend.openai.protocol import (
@@ -21,7 +21,14 @@ from vllm_lite.frontend.openai.protocol import (
     now,
     random_id,
 )
-from vllm_lite.frontend.openai.serving import PrimedStream, TokenStrings, prime, sse_stream, usage
+from vllm_lite.frontend.openai.serving import (
+    EventStreamResponse,
+    PrimedStream,
+    TokenStrings,
+    prime,
+    sse_stream,
+    usage,
+)
 from vllm_lite.outputs import RequestOutput
 from vllm_lite.protocol.step import SampleLogprobs
 
@@ -33,7 +40,7 @@ class ServingChat:
         self.chat_template = chat_template
         self.tokens = TokenStrings(client)
 
-    async def create(self, request: ChatCompletionRequest) -> JSONResponse | StreamingResponse:
+    async def create(self, request: ChatCompletionRequest) -> JSONResponse | EventStreamResponse:
         params = request.to_sampling_params()
         if not request.messages:
             raise ValueError("messages must not be empty")
@@ -42,9 +49,7 @@ class ServingChat:
         agen = self.client.generate(messages, params, request_id=request_id, chat_template=self.chat_template)
         (stream,) = await prime([agen])
         if request.stream:
-            return StreamingResponse(
-                sse_stream(self._stream(request, request_id, stream)), media_type="text/event-stream"
-            )
+            return EventStreamResponse(sse_stream(self._stream(request, request_id, stream)))
         return JSONResponse((await self._full(request, request_id, stream)).model_dump())
 
     def _logprobs(self, entries: list[SampleLogprobs] | None) -> ChatLogprobs:

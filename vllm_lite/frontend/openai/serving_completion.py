@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from vllm_lite.frontend.client import AsyncEngineClient
 from vllm_lite.frontend.openai.protocol import (
@@ -15,7 +15,15 @@ from vllm_lite.frontend.openai.protocol import (
     now,
     random_id,
 )
-from vllm_lite.frontend.openai.serving import PrimedStream, TokenStrings, merge, prime, sse_stream, usage
+from vllm_lite.frontend.openai.serving import (
+    EventStreamResponse,
+    PrimedStream,
+    TokenStrings,
+    merge,
+    prime,
+    sse_stream,
+    usage,
+)
 from vllm_lite.outputs import CompletionOutput
 from vllm_lite.protocol.step import SampleLogprobs
 
@@ -47,7 +55,7 @@ class ServingCompletion:
         self.model_name = model_name
         self.logprobs = CompletionLogprobsBuilder(TokenStrings(client))
 
-    async def create(self, request: CompletionRequest) -> JSONResponse | StreamingResponse:
+    async def create(self, request: CompletionRequest) -> JSONResponse | EventStreamResponse:
         params = request.to_sampling_params()
         prompts = request.prompts()
         request_id = random_id("cmpl")
@@ -60,7 +68,7 @@ class ServingCompletion:
         )
         if request.stream:
             events = self._stream(request, request_id, streams, prompt_texts)
-            return StreamingResponse(sse_stream(events), media_type="text/event-stream")
+            return EventStreamResponse(sse_stream(events))
         return JSONResponse((await self._full(request, request_id, streams, prompt_texts)).model_dump())
 
     def _decode(self, token_ids: list[int]) -> str:
