@@ -67,11 +67,12 @@ class _EngineStatsCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         labels = ["model_name", "engine"]
+        # Keyed by the EngineStats field each family reports.
         families = {
-            "num_requests_running": GaugeMetricFamily(
+            "num_running": GaugeMetricFamily(
                 PREFIX + "num_requests_running", "Requests being computed by an engine core.", labels=labels
             ),
-            "num_requests_waiting": GaugeMetricFamily(
+            "num_waiting": GaugeMetricFamily(
                 PREFIX + "num_requests_waiting", "Requests queued in an engine core.", labels=labels
             ),
             "kv_cache_usage": GaugeMetricFamily(
