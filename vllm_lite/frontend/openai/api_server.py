@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import os
 import socket
@@ -21,6 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from vllm_lite import __version__
 from vllm_lite.frontend.client import AsyncEngineClient
@@ -85,6 +87,24 @@ async def run_unless_disconnected(request: Request, work: Awaitable[Response]) -
     return Response(status_code=499)  # the client is gone; nobody reads this
 
 
+class APIKeyMiddleware:
+    """401 for /v1/* without `Authorization: Bearer KEY` (plain ASGI: streaming and disconnect
+    detection pass through untouched)."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                response = APIError(401, "invalid or missing API key", code="invalid_api_key").response()
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def build_app(client: AsyncEngineClient, server: ServerConfig) -> FastAPI:
     """The FastAPI app: OpenAI routes, health, version, metrics, OpenAI-shaped errors."""
     app = FastAPI(title="vllm-lite", version=__version__)
@@ -112,14 +132,8 @@ def build_app(client: AsyncEngineClient, server: ServerConfig) -> FastAPI:
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return APIError(exc.status_code, str(exc.detail)).response()
 
-    @app.middleware("http")
-    async def check_api_key(
-        request: Request, call_next: Callable[[Request], Awaitable[Response]]
-    ) -> Response:
-        if server.api_key and request.url.path.startswith("/v1"):
-            if request.headers.get("authorization") != f"Bearer {server.api_key}":
-                return APIError(401, "invalid or missing API key", code="invalid_api_key").response()
-        return await call_next(request)
+    if server.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=server.api_key)
 
     def check_model(name: str | None) -> None:
         if name and name != server.model_name:
