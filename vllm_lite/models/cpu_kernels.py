@@ -39,12 +39,15 @@ def _prepare_build_dir() -> list[str]:
 
     Many processes load these kernels at once (TP workers, DP ranks, tests), possibly from
     different checkouts. Keyed by content and always built from the same paths, a directory's
-    build.ninja never changes, so once built nobody rebuilds (and rewrites) a library another
+    build.ninja never changes (per torch install), so once built nobody rebuilds (and rewrites) a library another
     process may be loading; torch's file lock serialises the first build.
     """
     sources = {name: open(os.path.join(_SOURCE_DIR, name), "rb").read() for name in _SOURCE_NAMES}
     # -march=native: a library built on one CPU may not run on another sharing this home directory.
-    digest = hashlib.sha256(repr((torch.__version__, _CFLAGS, _LDFLAGS, _cpu_signature())).encode())
+    # The torch install path too: build.ninja names its include and library directories, so two
+    # virtual environments sharing one directory would rebuild it under each other's feet.
+    key = (torch.__version__, os.path.dirname(torch.__file__), _CFLAGS, _LDFLAGS, _cpu_signature())
+    digest = hashlib.sha256(repr(key).encode())
     for name, text in sources.items():
         digest.update(name.encode() + text)
     root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
