@@ -10,6 +10,7 @@ import shutil
 import threading
 import time
 
+import msgspec
 import pytest
 import zmq
 
@@ -211,6 +212,13 @@ def test_busy_loop_refuses_bad_requests_alone_and_reports_a_fatal_error(runtime_
         refused = receive()
         assert isinstance(refused, EngineCoreOutputs)
         assert refused.outputs[0].req_id == "bad" and "empty" in refused.outputs[0].error
+        # A request frame that fails validation is still answered, by its req_id.
+        frontend_in.send_multipart(
+            [b"3", msgspec.msgpack.encode({"type": "request", "req_id": "broken", "x": 1})]
+        )
+        malformed = receive()
+        assert isinstance(malformed, EngineCoreOutputs)
+        assert malformed.outputs[0].req_id == "broken" and malformed.outputs[0].error == "malformed request"
         send(EngineCoreAbort(["x"]))
         after_abort = receive()  # no tokens, fresh load figures
         assert isinstance(after_abort, EngineCoreOutputs) and after_abort.outputs == []

@@ -131,6 +131,21 @@ def _wait_for_addresses(receiver: MessageReceiver[HandshakeToEngine], timeout_s:
     sys.exit(1)
 
 
+def _request_id_of(frame: bytes) -> str | None:
+    """The req_id of an undecodable request frame, if the frame is msgpack with one."""
+    try:
+        message = msgspec.msgpack.decode(frame)
+    except msgspec.DecodeError:
+        return None
+    if (
+        isinstance(message, dict)
+        and message.get("type") == "request"
+        and isinstance(message.get("req_id"), str)
+    ):
+        return message["req_id"]
+    return None
+
+
 class EngineCoreProc:
     """Serves one EngineCore over the frontend's request and output sockets."""
 
@@ -236,9 +251,23 @@ class EngineCoreProc:
         self._input_socket.send(b"")
         receiver: MessageReceiver[ToEngine] = MessageReceiver(self._input_socket, ToEngine, "engine input")
         while True:
-            message = receiver.recv()
+            frames = self._input_socket.recv_multipart(copy=False)
+            message = receiver.decoder.decode(frames[-1].buffer)
             if message is not None:
                 self.input_queue.put(message)
+            elif (req_id := _request_id_of(frames[-1].bytes)) is not None:
+                # A request we cannot decode still gets an answer, or its client would wait forever.
+                refused = EngineCoreOutput(
+                    req_id=req_id,
+                    new_token_ids=[],
+                    finish_reason=FinishReason.ABORT,
+                    error="malformed request",
+                )
+                self.output_queue.put(
+                    EngineCoreOutputs(
+                        engine_index=self.engine_index, outputs=[refused], timestamp=time.time()
+                    )
+                )
 
     def _output_loop(self) -> None:
         sender = MessageSender(self._output_socket)

@@ -108,6 +108,15 @@ class EngineCoreClient:
             raise EngineDeadError(f"engine core {rank} is unreachable: {exc}") from exc
 
     def _output_loop(self) -> None:
+        try:
+            self._receive_outputs()
+        except Exception:
+            # Without this thread no output arrives: declare every engine dead rather than hang.
+            logger.exception("the client's output thread failed")
+            for rank in sorted(getattr(self, "ready", {0: None})):
+                self._engine_died(rank, "the client's output thread failed")
+
+    def _receive_outputs(self) -> None:
         receiver: MessageReceiver[FromEngine] = MessageReceiver(
             self.output_socket, FromEngine, "client output"
         )

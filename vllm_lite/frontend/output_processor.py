@@ -240,34 +240,31 @@ class OutputProcessor:
         return state
 
     def process_outputs(self, outputs: list[EngineCoreOutput]) -> list[str]:
-        """Apply one engine step; returns engine request ids the engine must abort (stop strings)."""
+        """Apply one engine step; returns engine request ids the engine must abort (stop strings,
+        failed requests)."""
         to_abort: list[str] = []
         touched: dict[str, RequestState] = {}
         now = time.monotonic()
         for out in outputs:
             state = self._by_engine_req.get(out.req_id)
-            if state is None:
+            if state is None or state.samples[out.req_id].finished:
                 continue  # aborted or ended by a stop string since the engine sent this
-            sample = state.samples[out.req_id]
-            if sample.finished:
-                continue
-            if out.error is not None:
-                self._fail(state, RequestError(out.error))
+            try:
+                if out.error is not None:
+                    raise RequestError(out.error)
+                if self._apply(state, out, now):
+                    to_abort.append(out.req_id)
+                touched[state.request_id] = state
+            except Exception as exc:
+                # A request that cannot be processed ends with an error; it never hangs.
+                touched.pop(state.request_id, None)
                 to_abort.extend(state.unfinished_engine_req_ids())
-                continue
-            if out.num_cached_tokens:
-                state.num_cached_tokens = out.num_cached_tokens
-            if out.queue_time_s is not None and state.queue_time_s is None:
-                state.queue_time_s = out.queue_time_s
-            if self.metrics is not None and out.new_token_ids:
-                last = state.last_token_time
-                since = now - (last if last is not None else state.arrival_time)
-                self.metrics.observe_tokens(len(out.new_token_ids), last is None, since)
-            if out.new_token_ids:
-                state.last_token_time = now
-            if sample.apply(out) == "abort":
-                to_abort.append(out.req_id)
-            touched[state.request_id] = state
+                self._fail(
+                    state,
+                    exc
+                    if isinstance(exc, RequestError)
+                    else RequestError(f"output processing failed: {exc!r}"),
+                )
         for state in touched.values():
             output = state.make_output()
             if output is not None:
@@ -276,6 +273,20 @@ class OutputProcessor:
                 first = next(iter(state.samples.values()))
                 self.remove_request(state.request_id, first.finish_reason)
         return to_abort
+
+    def _apply(self, state: RequestState, out: EngineCoreOutput, now: float) -> bool:
+        """Apply one output to its request; True if the engine must abort that sample."""
+        if out.num_cached_tokens:
+            state.num_cached_tokens = out.num_cached_tokens
+        if out.queue_time_s is not None and state.queue_time_s is None:
+            state.queue_time_s = out.queue_time_s
+        if out.new_token_ids:
+            last = state.last_token_time
+            if self.metrics is not None:
+                since = now - (last if last is not None else state.arrival_time)
+                self.metrics.observe_tokens(len(out.new_token_ids), last is None, since)
+            state.last_token_time = now
+        return state.samples[out.req_id].apply(out) == "abort"
 
     def fail_engine(self, engine_index: int, error: BaseException) -> None:
         """End every request of a dead engine with `error`."""
