@@ -69,6 +69,10 @@ class MPLauncher(EngineLauncher):
                 [sys.executable, "-m", "vllm_lite.engine_core.bootstrap"],
                 stdin=subprocess.PIPE,
                 env=_engine_env(DPEnv(self.dp_size, rank, rank, "127.0.0.1", master_port)),
+                # Its own session: a signal to our process group (Ctrl-C, `timeout`, `kill -- -PGID`)
+                # reaches the frontend only, which drains and then stops the engines itself. If we
+                # die instead, the engine's parent watchdog ends it.
+                start_new_session=True,
             )
             self.processes[rank] = process
             assert process.stdin is not None

@@ -13,6 +13,7 @@ import contextlib
 import hmac
 import logging
 import os
+import signal
 import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -215,6 +216,10 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _exit_quietly(signum: int, frame: object) -> None:
+    raise SystemExit(0)
+
+
 def run_server(args: Any) -> int:
     """`vllm-lite serve`: bind, start the engines, serve until SIGTERM / Ctrl-C, stop everything."""
     import uvicorn
@@ -222,6 +227,11 @@ def run_server(args: Any) -> int:
     from vllm_lite.config import EngineArgs
     from vllm_lite.frontend.metrics import Metrics
 
+    # SIGTERM / Ctrl-C before uvicorn runs (engines loading) or re-raised by uvicorn once it has
+    # drained (it hands captured signals back to the previous handler): unwind through the
+    # `finally` below, which stops the engines, and exit 0.
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, _exit_quietly)
     engine_args = EngineArgs.from_cli_args(args)
     config = engine_args.create_engine_config()
     server = ServerConfig(
