@@ -42,6 +42,8 @@ from vllm_lite.frontend.openai.serving_completion import ServingCompletion
 logger = logging.getLogger(__name__)
 
 STATS_TIMEOUT_S = 2.0
+# After draining, how long responses may take to reach their clients before connections close.
+FLUSH_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -216,6 +218,38 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _draining_server_class() -> type:
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        """uvicorn, but its shutdown first lets requests in flight finish for `drain_timeout_s`,
+        then aborts the rest through the client, so that each ends properly (finish_reason
+        'abort', `data: [DONE]`) before the connections close."""
+
+        def __init__(self, config: Any, client: AsyncEngineClient, drain_timeout_s: float) -> None:
+            super().__init__(config)
+            self.client = client
+            self.drain_timeout_s = drain_timeout_s
+
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            for server in self.servers:
+                server.close()  # stop accepting at once
+            requests = self.client.output_processor.requests
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + self.drain_timeout_s
+            if requests:
+                logger.warning("draining %d request(s) for up to %.0f s", len(requests), self.drain_timeout_s)
+            while requests and loop.time() < deadline and not self.force_exit:
+                await asyncio.sleep(0.05)
+            if requests:
+                logger.warning("aborting %d request(s) still running", len(requests))
+            for request_id in list(requests):
+                await self.client.abort(request_id)
+            await super().shutdown(sockets)
+
+    return DrainingServer
+
+
 def _exit_quietly(signum: int, frame: object) -> None:
     raise SystemExit(0)
 
@@ -248,7 +282,8 @@ def run_server(args: Any) -> int:
             loop="uvloop",
             http="httptools",
             log_level=args.log_level,
-            timeout_graceful_shutdown=args.shutdown_timeout,
+            # Draining is DrainingServer's; this only bounds the flush of responses after it.
+            timeout_graceful_shutdown=FLUSH_TIMEOUT_S,
             access_log=args.log_level == "debug",
         )
         logger.warning(
@@ -258,7 +293,7 @@ def run_server(args: Any) -> int:
             args.port,
             sum(client.num_kv_blocks.values()),
         )
-        uvicorn.Server(uv_config).run(sockets=[sock])
+        _draining_server_class()(uv_config, client, args.shutdown_timeout).run(sockets=[sock])
     finally:
         client.shutdown()
         sock.close()
