@@ -350,8 +350,20 @@ class EngineArgs:
             help="token budget of one engine step (prefill chunks + decodes)",
         )
         group.add_argument("--max-num-seqs", type=int, default=128, help="most requests in one step")
-        group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-        group.add_argument("--data-parallel-size", "-dp", type=int, default=1)
+        group.add_argument(
+            "--tensor-parallel-size",
+            "-tp",
+            type=int,
+            default=1,
+            help="TP workers per engine (1 in this version)",
+        )
+        group.add_argument(
+            "--data-parallel-size",
+            "-dp",
+            type=int,
+            default=1,
+            help="engine cores (DP ranks; 1 in this version)",
+        )
         group.add_argument(
             "--num-threads",
             type=int,
