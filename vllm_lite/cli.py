@@ -67,7 +67,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         help="on SIGTERM, seconds in-flight requests may take to finish before they are aborted",
     )
     server.add_argument(
-        "--log-level", default=argparse.SUPPRESS, choices=("debug", "info", "warning", "error")
+        "--log-level",
+        default=argparse.SUPPRESS,
+        choices=("debug", "info", "warning", "error"),
+        help="log level of the server and its engines (default: warning)",
     )
     dp = p.add_argument_group("data parallel (coming: only the defaults are supported in this version)")
     dp.add_argument("--data-parallel-backend", "-dpb", default="mp", choices=("mp", "ray"))
