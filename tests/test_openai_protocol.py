@@ -164,3 +164,12 @@ def test_metrics_exposition():
     ]
     for line in expect:
         assert line in text, line
+
+
+def test_text_offsets_count_characters_not_tokens():
+    from vllm_lite.frontend.openai.serving import TextOffsets
+
+    offsets = TextOffsets(start=5)
+    # "é" split over two tokens, then "a": both halves start at 5, "a" at 6.
+    assert [offsets.advance(b) for b in (b"\xc3", b"\xa9", b"a")] == [5, 5, 6]
+    assert offsets.offset == 7

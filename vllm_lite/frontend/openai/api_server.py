@@ -122,14 +122,16 @@ def build_app(client: AsyncEngineClient, server: ServerConfig) -> FastAPI:
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
         first = errors[0] if errors else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        loc = list(first.get("loc", ()))
+        # loc is ("body", field, ...): the field is the parameter; the rest names union members.
+        param = str(loc[1]) if len(loc) > 1 and loc[0] == "body" else None
         if first.get("type") == "json_invalid":
-            message = "the request body is not valid JSON"
-        elif not loc and first.get("type") in ("model_attributes_type", "dict_type", "missing"):
+            message, param = "the request body is not valid JSON", None
+        elif param is None:
             message = "the request body must be a JSON object"
         else:
-            message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid value')}"
-        return APIError(400, message, param=".".join(loc) or None).response()
+            message = f"{param}: {first.get('msg', 'invalid value')}"
+        return APIError(400, message, param=param).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:

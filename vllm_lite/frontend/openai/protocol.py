@@ -10,11 +10,19 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, Strict
 
 from vllm_lite.protocol.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
+
+# JSON types as the API documents them: no "yes" for a bool, no true or "3" for an integer, no
+# "0.5" for a number (pydantic's lax mode would coerce all of these).
+Bool = Annotated[bool, Strict()]
+Int = Annotated[int, Strict()]
+Float = Annotated[float, Strict()]
+# Most samples one request may ask for: each is a sequence in the engine.
+MAX_N = 128
 
 
 class OpenAIModel(BaseModel):
@@ -33,33 +41,33 @@ class ErrorResponse(BaseModel):
 
 
 class StreamOptions(OpenAIModel):
-    include_usage: bool = False
+    include_usage: Bool = False
 
 
 class SamplingFields(OpenAIModel):
     """Fields both endpoints share, named as OpenAI and vLLM name them."""
 
     model: str | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
+    n: Int = 1
+    temperature: Float | None = None
+    top_p: Float | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    stream: bool = False
+    seed: Int | None = None
+    presence_penalty: Float | None = None
+    frequency_penalty: Float | None = None
+    stream: Bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None
     # vLLM extensions
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
+    top_k: Int | None = None
+    min_p: Float | None = None
+    repetition_penalty: Float | None = None
+    ignore_eos: Bool = False
+    min_tokens: Int = 0
+    stop_token_ids: list[Int] | None = None
+    include_stop_str_in_output: Bool = False
+    skip_special_tokens: Bool = True
 
     def check_supported(self) -> None:
         if self.logit_bias:
@@ -68,6 +76,8 @@ class SamplingFields(OpenAIModel):
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The engine's sampling parameters; raises ValueError naming a bad field."""
         self.check_supported()
+        if isinstance(self.n, int) and self.n > MAX_N:
+            raise ValueError(f"n must be at most {MAX_N}; got {self.n}")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         optional = {
             "temperature": self.temperature,
@@ -100,11 +110,11 @@ class SamplingFields(OpenAIModel):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
-    echo: bool = False
+    max_tokens: Int | None = 16
+    logprobs: Int | None = None
+    echo: Bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: Int | None = None
 
     def to_sampling_params(self) -> SamplingParams:
         if self.suffix:
@@ -150,14 +160,14 @@ class ChatMessage(OpenAIModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
+    max_tokens: Int | None = None
+    max_completion_tokens: Int | None = None
+    logprobs: Bool = False
+    top_logprobs: Int | None = None
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
-    add_generation_prompt: bool = True
+    add_generation_prompt: Bool = True
 
     def to_sampling_params(self) -> SamplingParams:
         if self.tools:

@@ -4,8 +4,10 @@ stream merging, server-sent events, token strings for logprobs."""
 from __future__ import annotations
 
 import asyncio
+import codecs
 import functools
 import json
+import re
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -18,12 +20,7 @@ from vllm_lite.frontend.client import AsyncEngineClient
 from vllm_lite.frontend.openai.protocol import ErrorInfo, ErrorResponse, UsageInfo
 from vllm_lite.outputs import RequestOutput
 
-_ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    404: "not_found_error",
-    503: "service_unavailable",
-}
+_ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 503: "service_unavailable"}
 
 
 class APIError(Exception):
@@ -39,7 +36,9 @@ class APIError(Exception):
         return ErrorResponse(
             error=ErrorInfo(
                 message=str(self),
-                type=_ERROR_TYPES.get(self.status, "server_error"),
+                type=_ERROR_TYPES.get(
+                    self.status, "invalid_request_error" if self.status < 500 else "server_error"
+                ),
                 param=self.param,
                 code=self.code if self.code is not None else self.status,
             )
@@ -178,14 +177,72 @@ def usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
     )
 
 
+def _byte_level_alphabet() -> dict[str, int]:
+    """The byte-level BPE alphabet (GPT-2 style): the character that stands for each byte.
+
+    Printable Latin-1 bytes stand for themselves; the others are shifted past 255, in byte order.
+    """
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("\xa1"), ord("\xac") + 1),
+        *range(ord("\xae"), 256),
+    ]
+    table, shift = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[chr(b)] = b
+        else:
+            table[chr(256 + shift)] = b
+            shift += 1
+    return table
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
 class TokenStrings:
-    """Text of single tokens (for logprobs), decoded once per token id."""
+    """Text and raw bytes of single tokens (for logprobs), computed once per token id.
+
+    A token may hold part of a UTF-8 character (byte-level BPE, byte fallback): its text then has
+    U+FFFD, but its bytes are exact, so that clients can join tokens back into the text.
+    """
 
     def __init__(self, client: AsyncEngineClient) -> None:
         self._tokenizer = client.tokenizer
+        decoder = repr(getattr(getattr(self._tokenizer, "backend_tokenizer", None), "decoder", ""))
+        self._byte_level = "ByteLevel" in decoder
+        self._metaspace = "Metaspace" in decoder or "Replace" in decoder
         self.text = functools.lru_cache(maxsize=65536)(self._decode)
+        self.bytes = functools.lru_cache(maxsize=65536)(self._bytes)
 
     def _decode(self, token_id: int) -> str:
         if self._tokenizer is None:
             return f"token_id:{token_id}"
         return self._tokenizer.decode([token_id])
+
+    def _bytes(self, token_id: int) -> bytes:
+        piece = None if self._tokenizer is None else self._tokenizer.convert_ids_to_tokens(token_id)
+        if isinstance(piece, str) and token_id not in self._tokenizer.all_special_ids:
+            if self._byte_level and all(ch in _BYTE_LEVEL for ch in piece):
+                return bytes(_BYTE_LEVEL[ch] for ch in piece)
+            if match := _BYTE_FALLBACK.fullmatch(piece):
+                return bytes([int(match.group(1), 16)])
+            if self._metaspace:
+                return piece.replace("\u2581", " ").encode()
+        return self.text(token_id).encode()
+
+
+class TextOffsets:
+    """Character offsets of successive tokens in their decoded text (completions' text_offset):
+    a token that completes a multi-byte character moves the offset by that one character."""
+
+    def __init__(self, start: int = 0) -> None:
+        self.offset = start
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def advance(self, token_bytes: bytes) -> int:
+        """The offset where this token starts; then move past it."""
+        here = self.offset
+        self.offset += len(self._decoder.decode(token_bytes))
+        return here

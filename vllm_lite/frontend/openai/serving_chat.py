@@ -57,11 +57,13 @@ class ServingChat:
         for e in entries or []:
             text = self.tokens.text(e.token_id)
             top = [
-                TopLogprob(token=(t := self.tokens.text(tid)), logprob=lp, bytes=list(t.encode()))
+                TopLogprob(token=self.tokens.text(tid), logprob=lp, bytes=list(self.tokens.bytes(tid)))
                 for tid, lp in zip(e.top_token_ids, e.top_logprobs, strict=True)
             ]
             content.append(
-                ChatTokenLogprob(token=text, logprob=e.logprob, bytes=list(text.encode()), top_logprobs=top)
+                ChatTokenLogprob(
+                    token=text, logprob=e.logprob, bytes=list(self.tokens.bytes(e.token_id)), top_logprobs=top
+                )
             )
         return ChatLogprobs(content=content)
 

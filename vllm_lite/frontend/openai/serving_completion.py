@@ -18,6 +18,7 @@ from vllm_lite.frontend.openai.protocol import (
 from vllm_lite.frontend.openai.serving import (
     EventStreamResponse,
     PrimedStream,
+    TextOffsets,
     TokenStrings,
     merge,
     prime,
@@ -34,19 +35,18 @@ class CompletionLogprobsBuilder:
     def __init__(self, tokens: TokenStrings) -> None:
         self.tokens = tokens
 
-    def build(self, entries: list[SampleLogprobs], offset: int) -> tuple[CompletionLogprobs, int]:
-        """Logprobs of `entries`, whose text starts at `offset`; returns the offset after them."""
+    def build(self, entries: list[SampleLogprobs], offsets: TextOffsets) -> CompletionLogprobs:
+        """Logprobs of `entries`; `offsets` carries the position in the text across calls."""
         out = CompletionLogprobs()
         for e in entries:
             text = self.tokens.text(e.token_id)
             out.tokens.append(text)
             out.token_logprobs.append(e.logprob)
-            out.text_offset.append(offset)
+            out.text_offset.append(offsets.advance(self.tokens.bytes(e.token_id)))
             top = {self.tokens.text(t): lp for t, lp in zip(e.top_token_ids, e.top_logprobs, strict=True)}
             top.setdefault(text, e.logprob)
             out.top_logprobs.append(top)
-            offset += len(text)
-        return out, offset
+        return out
 
 
 class ServingCompletion:
@@ -95,7 +95,7 @@ class ServingCompletion:
             prefix = prompt_texts[i] if prompt_texts else ""
             logprobs = None
             if request.logprobs is not None:
-                logprobs, _ = self.logprobs.build(c.logprobs or [], len(prefix))
+                logprobs = self.logprobs.build(c.logprobs or [], TextOffsets(len(prefix)))
             choices.append(
                 CompletionChoice(
                     index=index,
@@ -122,7 +122,7 @@ class ServingCompletion:
         prompt_texts: list[str] | None,
     ) -> AsyncIterator[CompletionResponse]:
         created = now()
-        offsets: dict[int, int] = {}
+        offsets: dict[int, TextOffsets] = {}
         prompt_tokens = completion_tokens = 0
         async for i, out in merge(streams):
             choices = []
@@ -130,12 +130,12 @@ class ServingCompletion:
                 index = i * request.n + c.index
                 text = c.text
                 if index not in offsets:
-                    offsets[index] = 0
+                    offsets[index] = TextOffsets()
                     if prompt_texts:
                         text = prompt_texts[i] + text
                 logprobs = None
                 if request.logprobs is not None:
-                    logprobs, offsets[index] = self.logprobs.build(c.logprobs or [], offsets[index])
+                    logprobs = self.logprobs.build(c.logprobs or [], offsets[index])
                 completion_tokens += len(c.token_ids)
                 choices.append(
                     CompletionChoice(
