@@ -28,9 +28,16 @@ def apply_chat_template(
     """Render chat messages with the model's (or the given) template, ready for generation."""
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model has no chat template; pass one with --chat-template")
-    ids = tokenizer.apply_chat_template(
-        messages, chat_template=chat_template, add_generation_prompt=True, tokenize=True
-    )
+    try:
+        ids = tokenizer.apply_chat_template(
+            messages, chat_template=chat_template, add_generation_prompt=True, tokenize=True
+        )
+    except ValueError:
+        raise
+    except Exception as exc:
+        # Templates reject conversations they do not support (roles, order) by raising; that is
+        # the request's fault, not the server's.
+        raise ValueError(f"the chat template cannot render these messages: {exc}") from exc
     # transformers 5 returns a BatchEncoding-like mapping where 4.x returned a list.
     if hasattr(ids, "keys"):
         ids = ids["input_ids"]
