@@ -298,8 +298,8 @@ class EngineArgs:
             raise ValueError(f"kv_cache_memory must be > 0 GiB; got {self.kv_cache_memory!r}")
         if self.num_kv_blocks is not None and self.kv_cache_memory is not None:
             raise ValueError("give either num_kv_blocks or kv_cache_memory, not both")
-        if self.tensor_parallel_size != 1 or self.data_parallel_size != 1:
-            raise ValueError("tensor and data parallelism are not yet supported (size must be 1)")
+        if self.tensor_parallel_size != 1:
+            raise ValueError("tensor parallelism is not yet supported (--tensor-parallel-size must be 1)")
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -362,13 +362,14 @@ class EngineArgs:
             "-dp",
             type=int,
             default=1,
-            help="engine cores (DP ranks; 1 in this version)",
+            help="engine cores, one per DP rank",
         )
         group.add_argument(
             "--num-threads",
+            "--threads-per-rank",
             type=int,
             default=None,
-            help="torch CPU threads for this engine (default: all cores)",
+            help="torch CPU threads of each engine core (default: its share of the cores)",
         )
         return parser
 

@@ -7,7 +7,6 @@ started by the mp launcher, by Ray or by hand on another node behaves the same.
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass
 
 DP_SIZE = "VLLM_LITE_DP_SIZE"
@@ -48,10 +47,3 @@ class DPEnv:
             master_ip=env.get(DP_MASTER_IP, "127.0.0.1"),
             master_port=int(env.get(DP_MASTER_PORT, "0")),
         )
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (for the DP group's rendezvous)."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]

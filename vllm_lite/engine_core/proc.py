@@ -11,8 +11,10 @@ Threads of one engine-core process:
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
+import os
 import queue
 import signal
 import sys
@@ -26,6 +28,7 @@ import zmq
 
 from vllm_lite.config import EngineConfig
 from vllm_lite.dp.env import DPEnv
+from vllm_lite.dp.group import DPGroup, create_store
 from vllm_lite.engine_core.bootstrap import start_parent_watchdog
 from vllm_lite.engine_core.core import EngineCore
 from vllm_lite.protocol.messages import (
@@ -64,6 +67,8 @@ class EngineIdentity:
     headless: bool = False
     handshake_timeout_s: float = 600.0
     log_level: str = "WARNING"
+    # CPUs this engine may run on (None: all); the launcher gives each local DP rank its share.
+    cpu_ids: tuple[int, ...] | None = None
 
 
 def config_hash(config: EngineConfig) -> str:
@@ -77,7 +82,8 @@ def run_engine_core(config: EngineConfig, identity: EngineIdentity) -> None:
     """Process entry point: handshake, build the engine, serve until killed or the parent dies."""
     from vllm_lite import __version__
 
-    dp_rank = DPEnv.from_env().rank
+    dp = DPEnv.from_env()
+    dp_rank = dp.rank
     logging.basicConfig(
         level=identity.log_level.upper(), format=f"%(levelname)s engine{dp_rank} %(name)s: %(message)s"
     )
@@ -86,15 +92,34 @@ def run_engine_core(config: EngineConfig, identity: EngineIdentity) -> None:
     # Ctrl-C reaches the whole process group; the frontend decides when engines stop (SIGTERM).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    if identity.cpu_ids:
+        # DP ranks on one machine each get their own cores: threads of two ranks sharing a core
+        # spin against each other in every OpenMP barrier.
+        os.sched_setaffinity(0, identity.cpu_ids)
+    # DP rank 0 hosts the DP group's store on a port it binds itself, then publishes it.
+    store = create_store(dp, dp.master_port) if dp.size > 1 and dp.rank == 0 else None
     context = zmq.Context()
     handshake = make_socket(
         context, zmq.DEALER, identity.handshake_address, bind=False, identity=str(dp_rank).encode()
     )
     sender = MessageSender(handshake)
-    sender.send(Hello(dp_rank=dp_rank, local=identity.local, headless=identity.headless))
+    sender.send(
+        Hello(
+            dp_rank=dp_rank,
+            local=identity.local,
+            headless=identity.headless,
+            dp_master_port=store.port if store is not None else 0,
+        )
+    )
     receiver: MessageReceiver[HandshakeToEngine] = MessageReceiver(handshake, HandshakeToEngine, "handshake")
     addresses = _wait_for_addresses(receiver, identity.handshake_timeout_s)
     try:
+        if dp.size > 1:
+            if store is None:
+                master = dataclasses.replace(dp, master_ip=addresses.dp_master_ip)
+                store = create_store(master, addresses.dp_master_port)
+            dp_group = DPGroup.create(dp, store)
+            dp_group.check_agreement("the engine config", config_hash(config))
         core = EngineCore(config)
     except BaseException as exc:
         logger.exception("engine core %d failed to start", dp_rank)

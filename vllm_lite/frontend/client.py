@@ -24,6 +24,7 @@ from typing import Any
 import msgspec
 
 from vllm_lite.config import EngineArgs, EngineConfig, ModelConfig
+from vllm_lite.dp.balancer import LoadBalancer
 from vllm_lite.errors import EngineDeadError, RequestError
 from vllm_lite.frontend.core_client import EngineCoreClient
 from vllm_lite.frontend.input_processor import InputProcessor
@@ -91,6 +92,7 @@ class AsyncEngineClient:
         self.max_model_len = ready.max_model_len
         self.num_kv_blocks = {rank: r.num_kv_blocks for rank, r in self._core.ready.items()}
         self.input_processor = InputProcessor(config.model_config, self.max_model_len, self.tokenizer)
+        self.balancer = LoadBalancer(sorted(self._core.ready))
         atexit.register(self.shutdown)
 
     @classmethod
@@ -112,6 +114,7 @@ class AsyncEngineClient:
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
         chat_template: str | None = None,
+        data_parallel_rank: int | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream the outputs of one request: text, token ids or chat messages.
 
@@ -119,6 +122,8 @@ class AsyncEngineClient:
         only); the last one has `finished=True`. Raises ValueError for a bad request (before
         anything is sent), EngineDeadError if its engine dies, RequestError if the engine refused
         it. Stopping the iteration or cancelling the consuming task aborts the request.
+        `data_parallel_rank` pins the request to one engine core; by default the least loaded
+        one serves it.
         """
         self._bind_loop()
         self._check_usable()
@@ -127,7 +132,7 @@ class AsyncEngineClient:
         request_id = request_id if request_id is not None else uuid.uuid4().hex
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id must be a non-empty string")
-        engine_index = self._choose_engine()
+        engine_index = self._choose_engine(data_parallel_rank)
         seq = next(self._ids)
         engine_req_ids = [f"{request_id}/{i}/{seq}" for i in range(params.n)]
         state = RequestState(
@@ -228,16 +233,20 @@ class AsyncEngineClient:
         dead = self.dead_engines
         return [rank for rank in sorted(self._core.ready) if rank not in dead]
 
-    def _choose_engine(self) -> int:
-        """The live engine with the fewest requests in flight."""
+    def _choose_engine(self, pinned: int | None) -> int:
+        """The pinned rank, or the least-loaded live one."""
+        if pinned is not None:
+            if pinned not in self._core.ready:
+                raise ValueError(
+                    f"data_parallel_rank must be one of {sorted(self._core.ready)}; got {pinned!r}"
+                )
+            if pinned in self.dead_engines:
+                raise EngineDeadError(f"engine core {pinned} is dead ({self.dead_engines[pinned]})")
+            return pinned
         live = self._live_engines()
         if not live:
             raise EngineDeadError("every engine core is dead")
-        load = dict.fromkeys(live, 0)
-        for state in self.output_processor.requests.values():
-            if state.engine_index in load:
-                load[state.engine_index] += 1
-        return min(live, key=lambda rank: (load[rank], rank))
+        return self.balancer.choose(live)
 
     def _abort_engine_requests(self, state: RequestState) -> None:
         self._send_abort(state.engine_index, state.unfinished_engine_req_ids())
@@ -289,6 +298,7 @@ class AsyncEngineClient:
         if isinstance(message, EngineCoreOutputs):
             if message.stats is not None:
                 self.engine_stats[message.engine_index] = message.stats
+                self.balancer.update_stats(message.engine_index, message.stats)
                 if self.metrics is not None:
                     self.metrics.update_engine_stats(message.engine_index, message.stats)
             to_abort = self.output_processor.process_outputs(message.outputs)

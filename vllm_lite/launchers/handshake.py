@@ -6,6 +6,7 @@ import logging
 import time
 from collections.abc import Callable
 
+import msgspec
 import zmq
 
 from vllm_lite.errors import EngineStartupError
@@ -24,7 +25,8 @@ def run_handshake(
     dead_engines: Callable[[], dict[int, str]],
     timeout_s: float,
 ) -> dict[int, Ready]:
-    """Answer every rank's HELLO with the data-socket addresses and collect their READYs.
+    """Answer every rank's HELLO with the data-socket addresses (and the DP group's store, once
+    rank 0 has published its port) and collect their READYs.
 
     `socket` is the bound ROUTER; `dead_engines` reports ranks whose process has exited, so a rank
     that dies while loading its model fails the startup at once instead of after the timeout.
@@ -32,6 +34,10 @@ def run_handshake(
     decoder: Decoder[HandshakeToFrontend] = Decoder(HandshakeToFrontend, "handshake")
     expected = set(dp_ranks)
     ready: dict[int, Ready] = {}
+    # With DP > 1 every rank needs the port DP rank 0 bound for the group's store: HELLOs wait
+    # for rank 0's before they are answered.
+    master_port: int | None = None if len(expected) > 1 else 0
+    unanswered: list[bytes] = []
     deadline = time.monotonic() + timeout_s
     while len(ready) < len(expected):
         if socket.poll(POLL_MS, zmq.POLLIN):
@@ -41,7 +47,14 @@ def run_handshake(
             if rank not in expected or identity != str(rank).encode():
                 logger.warning("handshake: ignored a message from unexpected peer %r: %r", identity, message)
             elif isinstance(message, Hello):
-                socket.send_multipart([identity, encode(addresses)])
+                if rank == 0 and master_port is None:
+                    master_port = message.dp_master_port
+                unanswered.append(identity)
+                if master_port is not None:
+                    reply = encode(msgspec.structs.replace(addresses, dp_master_port=master_port))
+                    for peer in unanswered:
+                        socket.send_multipart([peer, reply])
+                    unanswered.clear()
             elif isinstance(message, Ready):
                 ready[rank] = message
             elif isinstance(message, EngineDead):

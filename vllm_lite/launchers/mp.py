@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import pickle
 import select
@@ -12,7 +13,7 @@ import sys
 import threading
 
 from vllm_lite.config import EngineConfig
-from vllm_lite.dp.env import DPEnv, free_port
+from vllm_lite.dp.env import DPEnv
 from vllm_lite.launchers.base import EngineLauncher
 
 # Engine processes back malloc's big arenas with huge pages (see cli.entry); the tunable is read
@@ -35,14 +36,37 @@ def _engine_env(dp_env: DPEnv) -> dict[str, str]:
     return env
 
 
+def split_cpus(num_ranks: int) -> list[tuple[int, ...] | None]:
+    """Each local rank's share of this process's CPUs (None for all ranks if there are fewer CPUs
+    than ranks: then nobody is pinned)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    per = len(cpus) // num_ranks
+    if per == 0:
+        return [None] * num_ranks
+    return [tuple(cpus[i * per : (i + 1) * per]) for i in range(num_ranks)]
+
+
 class MPLauncher(EngineLauncher):
-    """Engine cores as child processes of this one (fresh interpreters, see engine_core.bootstrap)."""
+    """Engine cores as child processes of this one (fresh interpreters, see engine_core.bootstrap).
+
+    It starts the local ranks `start_rank .. start_rank + size_local - 1` of a DP group of
+    `dp_size`; the handshake waits for all `dp_size` ranks (the others come from headless nodes).
+    """
 
     def __init__(
-        self, dp_size: int = 1, log_level: str = "WARNING", handshake_timeout_s: float = 600.0
+        self,
+        dp_size: int = 1,
+        log_level: str = "WARNING",
+        handshake_timeout_s: float = 600.0,
+        dp_size_local: int | None = None,
+        start_rank: int = 0,
+        master_ip: str = "127.0.0.1",
     ) -> None:
         super().__init__()
         self.dp_size = dp_size
+        self.dp_size_local = dp_size if dp_size_local is None else dp_size_local
+        self.start_rank = start_rank
+        self.master_ip = master_ip
         self.log_level = log_level
         self.handshake_timeout_s = handshake_timeout_s
         self.processes: dict[int, subprocess.Popen[bytes]] = {}
@@ -53,22 +77,35 @@ class MPLauncher(EngineLauncher):
     def dp_ranks(self) -> list[int]:
         return list(range(self.dp_size))
 
+    @property
+    def local_ranks(self) -> list[int]:
+        return list(range(self.start_rank, self.start_rank + self.dp_size_local))
+
     def _start_engines(self, config: EngineConfig, handshake_address: str) -> None:
         from vllm_lite.engine_core.proc import EngineIdentity
 
-        master_port = free_port()
-        identity = EngineIdentity(
-            handshake_address=handshake_address,
-            parent_pid=os.getpid(),
-            handshake_timeout_s=self.handshake_timeout_s,
-            log_level=self.log_level,
-        )
-        payload = pickle.dumps((config, identity))
-        for rank in self.dp_ranks:
+        shares = split_cpus(self.dp_size_local)
+        for local, rank in enumerate(self.local_ranks):
+            identity = EngineIdentity(
+                handshake_address=handshake_address,
+                parent_pid=os.getpid(),
+                handshake_timeout_s=self.handshake_timeout_s,
+                log_level=self.log_level,
+                cpu_ids=shares[local] if self.dp_size_local > 1 else None,
+            )
+            rank_config = config
+            if config.device_config.num_threads is None and self.dp_size_local > 1:
+                # Each rank's torch threads fill its own cores, not the whole machine.
+                threads = len(shares[local]) if shares[local] else 1
+                rank_config = dataclasses.replace(
+                    config, device_config=dataclasses.replace(config.device_config, num_threads=threads)
+                )
+            # Port 0: rank 0 binds the DP group's store on a free port and publishes it.
+            dp_env = DPEnv(self.dp_size, rank, local, self.master_ip, 0)
             process = subprocess.Popen(
                 [sys.executable, "-m", "vllm_lite.engine_core.bootstrap"],
                 stdin=subprocess.PIPE,
-                env=_engine_env(DPEnv(self.dp_size, rank, rank, "127.0.0.1", master_port)),
+                env=_engine_env(dp_env),
                 # Its own session: a signal to our process group (Ctrl-C, `timeout`, `kill -- -PGID`)
                 # reaches the frontend only, which drains and then stops the engines itself. If we
                 # die instead, the engine's parent watchdog ends it.
@@ -77,7 +114,7 @@ class MPLauncher(EngineLauncher):
             self.processes[rank] = process
             assert process.stdin is not None
             with contextlib.suppress(BrokenPipeError):  # it died at once: the monitor reports it
-                process.stdin.write(payload)
+                process.stdin.write(pickle.dumps((rank_config, identity)))
                 process.stdin.close()
 
     def _start_monitor(self) -> None:

@@ -106,6 +106,8 @@ class Hello(msgspec.Struct, frozen=True, tag="hello"):
     dp_rank: int
     local: bool
     headless: bool
+    # DP rank 0 only (DP size > 1): the port its DP-group store bound, for the other ranks.
+    dp_master_port: int = 0
 
 
 class HandshakeAddresses(msgspec.Struct, frozen=True, tag="addresses"):
@@ -113,6 +115,9 @@ class HandshakeAddresses(msgspec.Struct, frozen=True, tag="addresses"):
 
     input_address: str
     output_address: str
+    # Where the DP group's store is (rank 0's address and the port it published); DP size > 1.
+    dp_master_ip: str = "127.0.0.1"
+    dp_master_port: int = 0
 
 
 class Ready(msgspec.Struct, frozen=True, tag="ready"):
