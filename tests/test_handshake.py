@@ -181,7 +181,8 @@ def test_busy_loop_refuses_bad_requests_alone_and_reports_a_fatal_error(runtime_
     core = FailingCore()
     core.kv_cache_manager = core
     core.reset_prefix_cache = lambda: None
-    proc = EngineCoreProc(core, 3, addresses, context)
+    gone = threading.Event()
+    proc = EngineCoreProc(core, 3, addresses, context, on_frontend_gone=gone.set)
     exits: list[BaseException] = []
 
     def serve() -> None:
@@ -230,8 +231,11 @@ def test_busy_loop_refuses_bad_requests_alone_and_reports_a_fatal_error(runtime_
         thread.join(10)
         assert exits and exits[0].code == 1
         assert core.aborted == ["x"]
+        assert not gone.is_set()
     finally:
         frontend_in.close()
         frontend_out.close()
-        # No context.term(): the engine's input thread still owns a socket, as in a real engine
-        # process, which simply exits.
+    # The frontend's socket is gone: the engine notices (a real engine process then exits).
+    assert gone.wait(15)
+    # No context.term(): the engine's input thread still owns a socket, as in a real engine
+    # process, which simply exits.

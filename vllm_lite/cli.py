@@ -72,28 +72,49 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         choices=("debug", "info", "warning", "error"),
         help="log level of the server and its engines (default: warning)",
     )
-    dp = p.add_argument_group("data parallel (coming: only the defaults are supported in this version)")
-    dp.add_argument("--data-parallel-backend", "-dpb", default="mp", choices=("mp", "ray"))
-    dp.add_argument("--data-parallel-size-local", "-dpl", type=int, default=None)
-    dp.add_argument("--data-parallel-address", "-dpa", default=None)
-    dp.add_argument("--data-parallel-rpc-port", "-dpp", type=int, default=None)
-    dp.add_argument("--data-parallel-start-rank", "-dpr", type=int, default=None)
-    dp.add_argument("--headless", action="store_true", help="run engine cores only, no API server")
+    dp = p.add_argument_group("data parallel")
+    dp.add_argument(
+        "--data-parallel-backend", "-dpb", default="mp", choices=("mp", "ray"), help="how engine cores start"
+    )
+    dp.add_argument(
+        "--data-parallel-size-local",
+        "-dpl",
+        type=int,
+        default=None,
+        help="DP ranks on this node (default: all)",
+    )
+    dp.add_argument(
+        "--data-parallel-address",
+        "-dpa",
+        default="127.0.0.1",
+        help="the head node's address: engines of other nodes connect to it (default: %(default)s)",
+    )
+    dp.add_argument(
+        "--data-parallel-rpc-port",
+        "-dpp",
+        type=int,
+        default=None,
+        help="the head's handshake port (multi-node)",
+    )
+    dp.add_argument(
+        "--data-parallel-start-rank",
+        "-dpr",
+        type=int,
+        default=0,
+        help="first DP rank of this node (headless)",
+    )
+    dp.add_argument(
+        "--headless", action="store_true", help="run this node's engine cores only, no API server"
+    )
     p.set_defaults(func=_run_serve)
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    later = {
-        "--data-parallel-backend ray": args.data_parallel_backend == "ray",
-        "--data-parallel-size-local": args.data_parallel_size_local is not None,
-        "--data-parallel-address": args.data_parallel_address is not None,
-        "--data-parallel-rpc-port": args.data_parallel_rpc_port is not None,
-        "--data-parallel-start-rank": args.data_parallel_start_rank is not None,
-        "--headless": args.headless,
-    }
-    for flag, given in later.items():
-        if given:
-            raise ValueError(f"{flag} is not yet supported in this version")
+    if args.headless:
+        from vllm_lite.launchers.headless import run_headless
+
+        config = EngineArgs.from_cli_args(args).create_engine_config()
+        return run_headless(config, getattr(args, "log_level", "warning").upper())
     from vllm_lite.frontend.openai.api_server import run_server
 
     return run_server(args)

@@ -172,10 +172,33 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Tensor and data parallel sizes (TP=1 and DP=1 for now)."""
+    """Tensor and data parallel layout (TP=1 for now).
+
+    DP ranks `data_parallel_start_rank .. + data_parallel_size_local` run on this node. With ranks
+    on other nodes, every socket is TCP on `data_parallel_address`, the handshake on
+    `data_parallel_rpc_port`.
+    """
 
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
+    data_parallel_size_local: int | None = None
+    data_parallel_start_rank: int = 0
+    data_parallel_address: str = "127.0.0.1"
+    data_parallel_rpc_port: int | None = None
+    data_parallel_backend: str = "mp"
+
+    @property
+    def local_size(self) -> int:
+        return (
+            self.data_parallel_size
+            if self.data_parallel_size_local is None
+            else self.data_parallel_size_local
+        )
+
+    @property
+    def multi_node(self) -> bool:
+        """True when some DP ranks run elsewhere (their sockets must be TCP)."""
+        return self.local_size < self.data_parallel_size or self.data_parallel_rpc_port is not None
 
 
 @dataclass(frozen=True)
@@ -238,6 +261,11 @@ class EngineArgs:
     max_num_seqs: int = 128
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
+    data_parallel_size_local: int | None = None
+    data_parallel_start_rank: int = 0
+    data_parallel_address: str = "127.0.0.1"
+    data_parallel_rpc_port: int | None = None
+    data_parallel_backend: str = "mp"
     num_threads: int | None = None
 
     def create_engine_config(self) -> EngineConfig:
@@ -276,6 +304,11 @@ class EngineArgs:
             parallel_config=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size,
                 data_parallel_size=self.data_parallel_size,
+                data_parallel_size_local=self.data_parallel_size_local,
+                data_parallel_start_rank=self.data_parallel_start_rank,
+                data_parallel_address=self.data_parallel_address,
+                data_parallel_rpc_port=self.data_parallel_rpc_port,
+                data_parallel_backend=self.data_parallel_backend,
             ),
             device_config=DeviceConfig(device=device, num_threads=self.num_threads),
         )
@@ -300,6 +333,22 @@ class EngineArgs:
             raise ValueError("give either num_kv_blocks or kv_cache_memory, not both")
         if self.tensor_parallel_size != 1:
             raise ValueError("tensor parallelism is not yet supported (--tensor-parallel-size must be 1)")
+        if self.data_parallel_backend != "mp":
+            raise ValueError(f"--data-parallel-backend {self.data_parallel_backend} is not yet supported")
+        local = self.data_parallel_size_local
+        if local is not None and not (isinstance(local, int) and 0 <= local <= self.data_parallel_size):
+            raise ValueError(
+                f"data_parallel_size_local must be in [0, {self.data_parallel_size}]; got {local!r}"
+            )
+        start = self.data_parallel_start_rank
+        if not (isinstance(start, int) and 0 <= start and start + (local or 0) <= self.data_parallel_size):
+            raise ValueError(
+                f"data_parallel_start_rank={start!r} with {local} local ranks does not fit in "
+                f"data_parallel_size={self.data_parallel_size}"
+            )
+        port = self.data_parallel_rpc_port
+        if port is not None and not (isinstance(port, int) and 0 < port < 65536):
+            raise ValueError(f"data_parallel_rpc_port must be a TCP port; got {port!r}")
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

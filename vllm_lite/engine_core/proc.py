@@ -21,10 +21,12 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from vllm_lite.config import EngineConfig
 from vllm_lite.dp.env import DPEnv
@@ -53,6 +55,10 @@ logger = logging.getLogger(__name__)
 
 # How long a fatal error's EngineDead notice may take to leave before the process exits anyway.
 FLUSH_ON_EXIT_MS = 2000
+HEARTBEAT_IVL_MS = 1000
+HEARTBEAT_TIMEOUT_MS = 5000
+# A frontend that disconnected and is not back after this long is gone for good.
+FRONTEND_GRACE_S = 3.0
 
 
 @dataclass(frozen=True)
@@ -175,15 +181,32 @@ class EngineCoreProc:
     """Serves one EngineCore over the frontend's request and output sockets."""
 
     def __init__(
-        self, core: EngineCore, engine_index: int, addresses: HandshakeAddresses, context: zmq.Context
+        self,
+        core: EngineCore,
+        engine_index: int,
+        addresses: HandshakeAddresses,
+        context: zmq.Context,
+        on_frontend_gone: Callable[[], None] = lambda: os._exit(0),
     ) -> None:
         self.core = core
         self.engine_index = engine_index
+        self._on_frontend_gone = on_frontend_gone
         self.input_queue: queue.Queue[ToEngine] = queue.Queue()
         self.output_queue: queue.Queue[msgspec.Struct | None] = queue.Queue()
         self._input_socket = make_socket(
-            context, zmq.DEALER, addresses.input_address, bind=False, identity=str(engine_index).encode()
+            context,
+            zmq.DEALER,
+            addresses.input_address,
+            bind=False,
+            identity=str(engine_index).encode(),
+            # ZMTP heartbeats: a frontend that vanished without closing (node down, network cut)
+            # shows up as a disconnect within HEARTBEAT_TIMEOUT_MS.
+            options={zmq.HEARTBEAT_IVL: HEARTBEAT_IVL_MS, zmq.HEARTBEAT_TIMEOUT: HEARTBEAT_TIMEOUT_MS},
         )
+        self._frontend_events = self._input_socket.get_monitor_socket(
+            zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+        )
+        threading.Thread(target=self._watch_frontend, name="frontend-watch", daemon=True).start()
         self._output_socket = make_socket(context, zmq.PUSH, addresses.output_address, bind=False)
         threading.Thread(target=self._input_loop, name="engine-input", daemon=True).start()
         self._output_thread = threading.Thread(target=self._output_loop, name="engine-output", daemon=True)
@@ -269,6 +292,22 @@ class EngineCoreProc:
                 engine_index=self.engine_index, outputs=outputs, stats=self._stats(), timestamp=time.time()
             )
         )
+
+    def _watch_frontend(self) -> None:
+        """Exit when the frontend is gone: disconnected and not back within FRONTEND_GRACE_S.
+
+        This is how engines on a headless node follow their head; local engines also have the
+        parent watchdog.
+        """
+        lost_at: float | None = None
+        while True:
+            if self._frontend_events.poll(250):
+                event = recv_monitor_message(self._frontend_events)["event"]
+                lost_at = time.monotonic() if event == zmq.EVENT_DISCONNECTED else None
+            elif lost_at is not None and time.monotonic() - lost_at > FRONTEND_GRACE_S:
+                logger.error("engine core %d: the frontend is gone; exiting", self.engine_index)
+                self._on_frontend_gone()
+                return
 
     def _input_loop(self) -> None:
         # An empty frame registers our identity with the frontend's ROUTER, which can route to us

@@ -68,8 +68,16 @@ class AsyncEngineClient:
         from vllm_lite.launchers.mp import MPLauncher
 
         self.config = config
+        pc = config.parallel_config
+        if pc.data_parallel_start_rank != 0:
+            raise ValueError(
+                "the API server's node runs the DP ranks from 0 (--data-parallel-start-rank is for --headless)"
+            )
         self._launcher = launcher or MPLauncher(
-            config.parallel_config.data_parallel_size, log_level=log_level
+            pc.data_parallel_size,
+            log_level=log_level,
+            dp_size_local=pc.local_size,
+            master_ip=pc.data_parallel_address,
         )
         self._loop: asyncio.AbstractEventLoop | None = None
         self._dead: dict[int, str] = {}

@@ -26,7 +26,7 @@ from vllm_lite.protocol.messages import (
     Ready,
     ToEngine,
 )
-from vllm_lite.protocol.sockets import MessageReceiver, ipc_address, make_socket, new_runtime_dir
+from vllm_lite.protocol.sockets import MessageReceiver, ipc_address, make_socket, new_runtime_dir, tcp_address
 
 logger = logging.getLogger(__name__)
 
@@ -64,17 +64,37 @@ class EngineCoreClient:
             self.close()
             raise
 
+    def _bind(self, kind: int, name: str, tcp_host: str | None, port: int = 0) -> tuple[zmq.Socket, str]:
+        """A bound socket and the address peers connect to: ipc in the runtime dir, or TCP on
+        `tcp_host` (port 0: any free port)."""
+        if tcp_host is None:
+            address = ipc_address(self.runtime_dir, name)
+            return make_socket(self.context, kind, address, bind=True), address
+        wanted = tcp_address(tcp_host, port) if port else tcp_address(tcp_host, 0).rsplit(":", 1)[0] + ":*"
+        try:
+            socket = make_socket(self.context, kind, wanted, bind=True)
+        except zmq.ZMQError as exc:
+            raise EngineStartupError(f"cannot bind {wanted} for the engines' {name} socket: {exc}") from exc
+        return socket, socket.getsockopt(zmq.LAST_ENDPOINT).decode()
+
     def _start(self, config: EngineConfig, timeout_s: float) -> dict[int, Ready]:
-        handshake_address = ipc_address(self.runtime_dir, "handshake")
-        addresses = HandshakeAddresses(
-            input_address=ipc_address(self.runtime_dir, "input"),
-            output_address=ipc_address(self.runtime_dir, "output"),
+        pc = config.parallel_config
+        # Ranks on other nodes reach us over TCP on the DP address; otherwise ipc, private to us.
+        tcp_host = pc.data_parallel_address if pc.multi_node else None
+        if pc.local_size < pc.data_parallel_size and pc.data_parallel_rpc_port is None:
+            raise ValueError(
+                "ranks on other nodes need --data-parallel-rpc-port (and --data-parallel-address)"
+            )
+        handshake, handshake_address = self._bind(
+            zmq.ROUTER, "handshake", tcp_host, pc.data_parallel_rpc_port or 0
         )
-        handshake = make_socket(self.context, zmq.ROUTER, handshake_address, bind=True)
-        self.input_socket = make_socket(self.context, zmq.ROUTER, addresses.input_address, bind=True)
+        self.input_socket, input_address = self._bind(zmq.ROUTER, "input", tcp_host)
         # Sending to a rank that is not connected raises instead of silently dropping the frame.
         self.input_socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.output_socket = make_socket(self.context, zmq.PULL, addresses.output_address, bind=True)
+        self.output_socket, output_address = self._bind(zmq.PULL, "output", tcp_host)
+        addresses = HandshakeAddresses(
+            input_address=input_address, output_address=output_address, dp_master_ip=pc.data_parallel_address
+        )
         try:
             ready = self.launcher.launch(
                 config, handshake, handshake_address, addresses, self._engine_died, timeout_s

@@ -75,6 +75,12 @@ class EngineLauncher(abc.ABC):
             on_death(rank, why)
         return ready
 
+    def start_headless(self, config: EngineConfig, handshake_address: str) -> None:
+        """Start this node's engines pointed at a remote frontend's handshake; no handshake
+        here (the engines do theirs with the frontend directly)."""
+        self._start_engines(config, handshake_address)
+        self._start_monitor()
+
     def dead_engines(self) -> dict[int, str]:
         """Ranks whose engine has stopped, with the reason."""
         with self._lock:

@@ -61,8 +61,10 @@ class MPLauncher(EngineLauncher):
         dp_size_local: int | None = None,
         start_rank: int = 0,
         master_ip: str = "127.0.0.1",
+        headless: bool = False,
     ) -> None:
         super().__init__()
+        self.headless = headless
         self.dp_size = dp_size
         self.dp_size_local = dp_size if dp_size_local is None else dp_size_local
         self.start_rank = start_rank
@@ -84,7 +86,7 @@ class MPLauncher(EngineLauncher):
     def _start_engines(self, config: EngineConfig, handshake_address: str) -> None:
         from vllm_lite.engine_core.proc import EngineIdentity
 
-        shares = split_cpus(self.dp_size_local)
+        shares = split_cpus(max(self.dp_size_local, 1))
         for local, rank in enumerate(self.local_ranks):
             identity = EngineIdentity(
                 handshake_address=handshake_address,
@@ -92,6 +94,8 @@ class MPLauncher(EngineLauncher):
                 handshake_timeout_s=self.handshake_timeout_s,
                 log_level=self.log_level,
                 cpu_ids=shares[local] if self.dp_size_local > 1 else None,
+                local=not self.headless,
+                headless=self.headless,
             )
             rank_config = config
             if config.device_config.num_threads is None and self.dp_size_local > 1:
@@ -116,6 +120,11 @@ class MPLauncher(EngineLauncher):
             with contextlib.suppress(BrokenPipeError):  # it died at once: the monitor reports it
                 process.stdin.write(pickle.dumps((rank_config, identity)))
                 process.stdin.close()
+
+    def wait(self) -> None:
+        """Block until every local engine has exited."""
+        for process in self.processes.values():
+            process.wait()
 
     def _start_monitor(self) -> None:
         self._monitor_thread = threading.Thread(target=self._monitor, name="engine-monitor", daemon=True)

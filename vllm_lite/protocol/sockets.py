@@ -62,7 +62,12 @@ class MessageReceiver(Generic[T]):
 
 
 def make_socket(
-    context: zmq.Context, kind: int, address: str, bind: bool, identity: bytes | None = None
+    context: zmq.Context,
+    kind: int,
+    address: str,
+    bind: bool,
+    identity: bytes | None = None,
+    options: dict[int, int] | None = None,
 ) -> zmq.Socket:
     """A socket that never blocks process exit on unsent messages (linger 0) and never drops or
     blocks on a full queue (no high-water mark: what is in flight is bounded by the requests)."""
@@ -72,6 +77,8 @@ def make_socket(
     socket.setsockopt(zmq.RCVHWM, 0)
     if identity is not None:
         socket.setsockopt(zmq.IDENTITY, identity)
+    for option, value in (options or {}).items():
+        socket.setsockopt(option, value)
     if bind:
         socket.bind(address)
     else:
