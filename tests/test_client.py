@@ -437,3 +437,26 @@ def test_shutdown_stops_the_engine_and_fails_what_is_in_flight():
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     assert not os.path.exists(runtime_dir)
     client.shutdown()  # idempotent
+
+
+def test_a_hung_engine_is_declared_dead_after_its_heartbeats_stop():
+    """SIGSTOP: the process is alive but silent (as a rank on a lost node would be)."""
+    client = AsyncEngineClient.from_engine_args(EngineArgs(**ENGINE_KWARGS), silence_timeout_s=3.0)
+    pid = engine_pid(client)
+    try:
+
+        async def main():
+            agen = client.generate("Long:", SamplingParams(max_tokens=1000, ignore_eos=True))
+            await agen.__anext__()
+            os.kill(pid, signal.SIGSTOP)
+            stopped = time.monotonic()
+            with pytest.raises(EngineDeadError, match="heartbeat"):
+                async for _ in agen:
+                    pass
+            return time.monotonic() - stopped
+
+        elapsed = run(main(), timeout=60)
+        assert 2.5 < elapsed < 8, elapsed
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        client.shutdown()

@@ -56,6 +56,7 @@ logger = logging.getLogger(__name__)
 # How long a fatal error's EngineDead notice may take to leave before the process exits anyway.
 FLUSH_ON_EXIT_MS = 2000
 HEARTBEAT_IVL_MS = 1000
+OUTPUT_HEARTBEAT_S = 1.0
 HEARTBEAT_TIMEOUT_MS = 5000
 # A frontend that disconnected and is not back after this long is gone for good.
 FRONTEND_GRACE_S = 3.0
@@ -335,8 +336,15 @@ class EngineCoreProc:
 
     def _output_loop(self) -> None:
         sender = MessageSender(self._output_socket)
+        # Silence longer than this means "alive, nothing to say": the frontend hears a heartbeat,
+        # so a rank it cannot watch as a process (another node) is known dead when it stops.
+        heartbeat = EngineCoreOutputs(engine_index=self.engine_index, outputs=[])
         while True:
-            message = self.output_queue.get()
+            try:
+                message = self.output_queue.get(timeout=OUTPUT_HEARTBEAT_S)
+            except queue.Empty:
+                sender.send(heartbeat)
+                continue
             if message is None:
                 # Give a last EngineDead time to leave before the socket goes.
                 self._output_socket.close(linger=FLUSH_ON_EXIT_MS)

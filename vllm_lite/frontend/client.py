@@ -26,7 +26,7 @@ import msgspec
 from vllm_lite.config import EngineArgs, EngineConfig, ModelConfig
 from vllm_lite.dp.balancer import LoadBalancer
 from vllm_lite.errors import EngineDeadError, RequestError
-from vllm_lite.frontend.core_client import EngineCoreClient
+from vllm_lite.frontend.core_client import SILENCE_TIMEOUT_S, EngineCoreClient
 from vllm_lite.frontend.input_processor import InputProcessor
 from vllm_lite.frontend.metrics import Metrics
 from vllm_lite.frontend.output_processor import OutputProcessor, RequestState
@@ -62,9 +62,11 @@ class AsyncEngineClient:
         log_level: str = "WARNING",
         startup_timeout_s: float = 600.0,
         metrics: Metrics | None = None,
+        silence_timeout_s: float = SILENCE_TIMEOUT_S,
     ) -> None:
         """Start the engine cores and wait until every one is ready (blocks; model loading takes
-        seconds). Raises EngineStartupError if any of them fails."""
+        seconds). Raises EngineStartupError if any of them fails. An engine silent for
+        `silence_timeout_s` (it sends a heartbeat every second) is declared dead."""
         from vllm_lite.launchers.mp import MPLauncher
 
         self.config = config
@@ -93,7 +95,12 @@ class AsyncEngineClient:
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             tokenizer = None if skip_tokenizer_init else pool.submit(load_tokenizer, config.model_config)
             self._core = EngineCoreClient(
-                config, self._launcher, self._on_message, self._on_engine_dead, startup_timeout_s
+                config,
+                self._launcher,
+                self._on_message,
+                self._on_engine_dead,
+                startup_timeout_s,
+                silence_timeout_s,
             )
             self.tokenizer = tokenizer.result() if tokenizer is not None else None
         ready = self._core.ready[min(self._core.ready)]

@@ -20,6 +20,7 @@ from vllm_lite.errors import EngineDeadError, EngineStartupError
 from vllm_lite.launchers.base import EngineLauncher
 from vllm_lite.protocol.codec import encode
 from vllm_lite.protocol.messages import (
+    EngineCoreOutputs,
     EngineDead,
     FromEngine,
     HandshakeAddresses,
@@ -33,6 +34,9 @@ logger = logging.getLogger(__name__)
 OUTPUT_POLL_MS = 100
 # After READY, how long each rank's input socket may take to register with our ROUTER.
 REGISTER_TIMEOUT_S = 30.0
+# An engine sends something at least every second (a heartbeat when idle); this much silence
+# means it is dead or hung.
+SILENCE_TIMEOUT_S = 10.0
 
 
 class EngineCoreClient:
@@ -50,8 +54,10 @@ class EngineCoreClient:
         on_message: Callable[[FromEngine], None],
         on_engine_dead: Callable[[int, str], None],
         startup_timeout_s: float,
+        silence_timeout_s: float = SILENCE_TIMEOUT_S,
     ) -> None:
         self.launcher = launcher
+        self.silence_timeout_s = silence_timeout_s
         self._on_message = on_message
         self._on_engine_dead = on_engine_dead
         self._stop = threading.Event()
@@ -102,6 +108,9 @@ class EngineCoreClient:
         finally:
             handshake.close()
         self._wait_for_registration(sorted(ready))
+        now = time.monotonic()
+        self.last_heard = dict.fromkeys(ready, now)
+        threading.Thread(target=self._watch_heartbeats, name="engine-heartbeats", daemon=True).start()
         self._output_thread = threading.Thread(target=self._output_loop, name="engine-outputs", daemon=True)
         self._output_thread.start()
         return ready
@@ -119,6 +128,18 @@ class EngineCoreClient:
                 raise EngineStartupError(f"engine core {rank} died during startup ({why})")
             if self.input_socket.poll(100, zmq.POLLIN):
                 pending.discard(self.input_socket.recv_multipart()[0])
+
+    def _watch_heartbeats(self) -> None:
+        """Declare dead a rank not heard from for `silence_timeout_s`: the only liveness signal
+        for ranks on other nodes (local ones also have their process watched), and it catches a
+        hung engine too."""
+        reported: set[int] = set()
+        while not self._stop.wait(0.5):
+            now = time.monotonic()
+            for rank, heard in list(self.last_heard.items()):
+                if rank not in reported and now - heard > self.silence_timeout_s:
+                    reported.add(rank)
+                    self._engine_died(rank, f"no message or heartbeat for {self.silence_timeout_s:.0f} s")
 
     def send(self, rank: int, message: ToEngine) -> None:
         """Send a message to one engine core; raises EngineDeadError if it is gone."""
@@ -151,6 +172,11 @@ class EngineCoreClient:
                 raise
             if message is None:
                 continue
+            rank = getattr(message, "engine_index", None)
+            if rank is not None:
+                self.last_heard[rank] = time.monotonic()
+            if isinstance(message, EngineCoreOutputs) and not message.outputs and message.stats is None:
+                continue  # a heartbeat: noted above, nothing for the client
             if isinstance(message, EngineDead):
                 self._engine_died(message.engine_index, message.reason)
             else:
