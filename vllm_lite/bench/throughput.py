@@ -48,6 +48,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default="generate_batch",
         help="the HF transformers baseline: continuous batching, padded generate, or none",
     )
+    p.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=int,
+        default=1,
+        help="compare N engine cores with one, both through AsyncEngineClient (no HF, no roofline)",
+    )
     p.set_defaults(func=run)
 
 
@@ -164,6 +171,10 @@ def run(args: argparse.Namespace) -> int:
 
     tokenizer = load_tokenizer(config.model_config)
     prompts = make_prompts(config.model_config.vocab_size, set(tokenizer.all_special_ids), args)
+    if args.data_parallel_size > 1:
+        from vllm_lite.bench.dp import run_dp_comparison
+
+        return run_dp_comparison(args, prompts)
 
     ours = run_vllm_lite(prompts, args)
     ours["tokens_per_s"] = ours["output_tokens"] / ours["elapsed_s"]
