@@ -90,15 +90,19 @@ def test_the_dp_group_is_real():
 
 
 @pytest.mark.e2e
-def test_dp2_serves_200_concurrent_requests_on_both_ranks():
-    client = AsyncEngineClient.from_engine_args(EngineArgs(data_parallel_size=2, **ENGINE_KWARGS))
+@pytest.mark.parametrize("dp_size", [2, 4])
+def test_200_concurrent_requests_are_served_by_every_rank(dp_size):
+    client = AsyncEngineClient.from_engine_args(EngineArgs(data_parallel_size=dp_size, **ENGINE_KWARGS))
+    ranks = list(range(dp_size))
     try:
-        assert sorted(client.num_kv_blocks) == [0, 1]
+        assert sorted(client.num_kv_blocks) == ranks
         engines = client._launcher.processes
         # Each rank has its own core (2 here) and one thread per core.
         affinities = [psutil.Process(p.pid).cpu_affinity() for p in engines.values()]
-        if len(split_cpus(1)[0]) >= 2:
-            assert len(affinities[0]) == len(affinities[1]) and not set(affinities[0]) & set(affinities[1])
+        if len(split_cpus(1)[0]) >= dp_size:
+            cores = [set(a) for a in affinities]
+            assert all(len(c) == len(cores[0]) for c in cores)
+            assert sum(len(c) for c in cores) == len(set().union(*cores))  # disjoint
 
         async def main():
             params = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0)
@@ -111,13 +115,13 @@ def test_dp2_serves_200_concurrent_requests_on_both_ranks():
 
             counts = await asyncio.gather(*(one(i) for i in range(200)))
             assert counts == [6] * 200
-            per_rank = [await client.get_engine_stats(r) for r in (0, 1)]
+            per_rank = [await client.get_engine_stats(r) for r in ranks]
             return per_rank
 
         per_rank = asyncio.run(asyncio.wait_for(main(), 600))
         queries = [s.prefix_cache_queries for s in per_rank]
         # Every rank served at least a quarter of its fair share (prompt tokens looked up).
-        assert min(queries) >= 0.25 * sum(queries) / 2, queries
+        assert min(queries) >= 0.25 * sum(queries) / dp_size, queries
         assert all(s.num_running == 0 and s.num_waiting == 0 for s in per_rank)
         assert not client.output_processor.requests
 
