@@ -673,34 +673,23 @@ MALFORMED_BODIES = {
 }
 
 
-@pytest.mark.parametrize("body", MALFORMED_BODIES.values(), ids=MALFORMED_BODIES.keys())
-def test_malformed_completion_body_is_4xx(http, body):
-    r = http.post("/v1/completions", content=body, headers={"Content-Type": "application/json"})
-    assert 400 <= r.status_code < 500, (r.status_code, r.text)
-    assert_error_body(r)
+MALFORMED_CHAT_BODIES = {
+    "not-json": b"{not json",
+    "json-array": b"[]",
+    "json-string": b'"Hi"',
+    "missing-messages": json.dumps({"model": SERVED_NAME, "max_tokens": 4}).encode(),
+    "messages-not-a-list": json.dumps({"model": SERVED_NAME, "messages": "Hi"}).encode(),
+    "message-no-role": json.dumps({"model": SERVED_NAME, "messages": [{"content": "no role"}]}).encode(),
+}
+MALFORMED = {
+    **{f"completion-{k}": ("/v1/completions", v) for k, v in MALFORMED_BODIES.items()},
+    **{f"chat-{k}": ("/v1/chat/completions", v) for k, v in MALFORMED_CHAT_BODIES.items()},
+}
 
 
-@pytest.mark.parametrize(
-    "body",
-    [
-        b"{not json",
-        b"[]",
-        b'"Hi"',
-        json.dumps({"model": SERVED_NAME, "max_tokens": 4}).encode(),
-        json.dumps({"model": SERVED_NAME, "messages": "Hi"}).encode(),
-        json.dumps({"model": SERVED_NAME, "messages": [{"content": "no role"}]}).encode(),
-    ],
-    ids=[
-        "not-json",
-        "json-array",
-        "json-string",
-        "missing-messages",
-        "messages-not-a-list",
-        "message-no-role",
-    ],
-)
-def test_malformed_chat_body_is_4xx(http, body):
-    r = http.post("/v1/chat/completions", content=body, headers={"Content-Type": "application/json"})
+@pytest.mark.parametrize("path, body", MALFORMED.values(), ids=MALFORMED.keys())
+def test_malformed_body_is_4xx(http, path, body):
+    r = http.post(path, content=body, headers={"Content-Type": "application/json"})
     assert 400 <= r.status_code < 500, (r.status_code, r.text)
     assert_error_body(r)
 

@@ -8,17 +8,13 @@ follows its head down; SIGTERM or Ctrl-C stop it too.
 from __future__ import annotations
 
 import logging
-import signal
 
 from vllm_lite.config import EngineConfig
 from vllm_lite.launchers.mp import MPLauncher
 from vllm_lite.protocol.sockets import tcp_address
+from vllm_lite.signals import exit_on_termination
 
 logger = logging.getLogger(__name__)
-
-
-def _exit_quietly(signum: int, frame: object) -> None:
-    raise SystemExit(0)
 
 
 def run_headless(config: EngineConfig, log_level: str = "WARNING", handshake_timeout_s: float = 600.0) -> int:
@@ -30,8 +26,7 @@ def run_headless(config: EngineConfig, log_level: str = "WARNING", handshake_tim
         )
     if pc.local_size < 1:
         raise ValueError("--headless needs --data-parallel-size-local of at least 1")
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, _exit_quietly)
+    exit_on_termination()
     launcher = MPLauncher(
         pc.data_parallel_size,
         log_level=log_level,

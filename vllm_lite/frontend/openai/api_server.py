@@ -13,7 +13,6 @@ import contextlib
 import hmac
 import logging
 import os
-import signal
 import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -38,6 +37,7 @@ from vllm_lite.frontend.openai.protocol import (
 from vllm_lite.frontend.openai.serving import APIError, as_api_error
 from vllm_lite.frontend.openai.serving_chat import ServingChat
 from vllm_lite.frontend.openai.serving_completion import ServingCompletion
+from vllm_lite.signals import exit_on_termination
 
 logger = logging.getLogger(__name__)
 
@@ -252,10 +252,6 @@ def _draining_server_class() -> type:
     return DrainingServer
 
 
-def _exit_quietly(signum: int, frame: object) -> None:
-    raise SystemExit(0)
-
-
 def run_server(args: Any) -> int:
     """`vllm-lite serve`: bind, start the engines, serve until SIGTERM / Ctrl-C, stop everything."""
     import uvicorn
@@ -266,8 +262,7 @@ def run_server(args: Any) -> int:
     # SIGTERM / Ctrl-C before uvicorn runs (engines loading) or re-raised by uvicorn once it has
     # drained (it hands captured signals back to the previous handler): unwind through the
     # `finally` below, which stops the engines, and exit 0.
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, _exit_quietly)
+    exit_on_termination()
     engine_args = EngineArgs.from_cli_args(args)
     config = engine_args.create_engine_config()
     server = ServerConfig(
