@@ -165,5 +165,10 @@ def tp_worker(
         decode = runner.step([(0, prompt[-1:])])[0]
         if rank == 0:
             torch.save({"prefill": prefill, "decode": decode}, out_path)
-    finally:
+        # Both ranks are done with every collective; exit without tearing gloo down, whose C++
+        # destructors can abort (SIGABRT) when the peer hosting the store exits at the same time.
+        dist.barrier()
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    os._exit(0)

@@ -152,3 +152,32 @@ def test_a_rank_that_fails_to_start_is_named_and_nothing_is_left():
         )
     leftover = {p.pid for p in psutil.Process().children(recursive=True)} - before
     assert not leftover
+
+
+@pytest.mark.e2e
+def test_lockstep_keeps_every_rank_stepping_together():
+    """Work only on rank 0: rank 1 runs a dummy step for each of rank 0's steps."""
+    client = AsyncEngineClient.from_engine_args(
+        EngineArgs(data_parallel_size=2, data_parallel_lockstep=True, **ENGINE_KWARGS)
+    )
+    try:
+
+        async def main():
+            params = SamplingParams(max_tokens=8, ignore_eos=True)
+
+            async def one(i: int) -> int:
+                final = None
+                async for out in client.generate(f"Only rank 0, {i}.", params, data_parallel_rank=0):
+                    final = out
+                return len(final.outputs[0].token_ids)
+
+            assert await asyncio.gather(*(one(i) for i in range(6))) == [8] * 6
+            return [await client.get_engine_stats(r) for r in (0, 1)]
+
+        busy, idle = asyncio.run(asyncio.wait_for(main(), 300))
+        assert busy.prefix_cache_queries > 0 and idle.prefix_cache_queries == 0  # rank 1 served nothing
+        assert busy.num_steps >= 8
+        assert idle.num_steps == busy.num_steps
+        assert client.num_kv_blocks[0] == ENGINE_KWARGS["num_kv_blocks"]
+    finally:
+        client.shutdown()

@@ -106,6 +106,11 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     dp.add_argument(
         "--headless", action="store_true", help="run this node's engine cores only, no API server"
     )
+    dp.add_argument(
+        "--data-parallel-lockstep",
+        action="store_true",
+        help="ranks step together in waves; idle ranks run dummy batches (what MoE expert parallelism needs)",
+    )
     p.set_defaults(func=_run_serve)
 
 

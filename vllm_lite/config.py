@@ -186,6 +186,8 @@ class ParallelConfig:
     data_parallel_address: str = "127.0.0.1"
     data_parallel_rpc_port: int | None = None
     data_parallel_backend: str = "mp"
+    # All ranks step together in waves (idle ranks run dummy batches), as MoE expert parallelism needs.
+    data_parallel_lockstep: bool = False
 
     @property
     def local_size(self) -> int:
@@ -266,6 +268,7 @@ class EngineArgs:
     data_parallel_address: str = "127.0.0.1"
     data_parallel_rpc_port: int | None = None
     data_parallel_backend: str = "mp"
+    data_parallel_lockstep: bool = False
     num_threads: int | None = None
 
     def create_engine_config(self) -> EngineConfig:
@@ -309,6 +312,7 @@ class EngineArgs:
                 data_parallel_address=self.data_parallel_address,
                 data_parallel_rpc_port=self.data_parallel_rpc_port,
                 data_parallel_backend=self.data_parallel_backend,
+                data_parallel_lockstep=self.data_parallel_lockstep,
             ),
             device_config=DeviceConfig(device=device, num_threads=self.num_threads),
         )

@@ -12,21 +12,34 @@ from vllm_lite.engine_core.request import Request
 from vllm_lite.engine_core.scheduler import Scheduler, SchedulerStats
 from vllm_lite.inputs import validate_prompt_token_ids
 from vllm_lite.protocol.messages import EngineCoreOutput, EngineCoreRequest
+from vllm_lite.protocol.sampling_params import SamplingParams
+from vllm_lite.protocol.step import NewRequestData, SchedulerOutput
 
 logger = logging.getLogger(__name__)
+
+DUMMY_REQ_ID = "__vllm_lite_dummy__"
+_DUMMY_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)
 
 
 class EngineCore:
     """Continuous batching over a paged KV cache, driven one `step()` at a time."""
 
-    def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, executor: Executor | None = None, reserve_dummy_block: bool = False
+    ) -> None:
+        """`reserve_dummy_block`: keep one KV block out of the scheduler's hands for
+        `dummy_step` (DP lockstep), so that a dummy forward never touches a real request's cache."""
         self.config = config
         mc = config.model_config
         self.eos_token_ids = mc.eos_token_ids
         self.executor = executor or UniProcExecutor(config, self.eos_token_ids)
         self.num_kv_blocks = self.executor.determine_num_kv_blocks()
+        if reserve_dummy_block and self.num_kv_blocks < 2:
+            raise ValueError("DP lockstep needs at least 2 KV blocks (one is kept for dummy steps)")
         self.executor.initialize_kv_cache(self.num_kv_blocks)
-        self.scheduler = Scheduler(config.scheduler_config, config.cache_config, self.num_kv_blocks)
+        self._dummy_block = self.num_kv_blocks - 1 if reserve_dummy_block else None
+        usable = self.num_kv_blocks - (1 if reserve_dummy_block else 0)
+        self.scheduler = Scheduler(config.scheduler_config, config.cache_config, usable)
         capacity = self.num_kv_blocks * config.cache_config.block_size
         if capacity < config.scheduler_config.max_model_len:
             logger.warning(
@@ -77,6 +90,31 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         runner_output = self.executor.execute_model(scheduler_output)
         return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def dummy_step(self) -> None:
+        """One forward pass of a 1-token dummy request in the reserved block: what a DP rank with
+        no work runs so that every rank steps together (lockstep waves)."""
+        if self._dummy_block is None:
+            raise RuntimeError("dummy_step needs an EngineCore made with reserve_dummy_block=True")
+        dummy = NewRequestData(
+            req_id=DUMMY_REQ_ID,
+            prompt_token_ids=[0],
+            output_token_ids=[],
+            sampling_params=_DUMMY_PARAMS,
+            sampling_seed=0,
+            block_ids=[self._dummy_block],
+            num_computed_tokens=0,
+        )
+        self.executor.execute_model(
+            SchedulerOutput(
+                new_reqs=[dummy],
+                cached_reqs=[],
+                num_scheduled_tokens={DUMMY_REQ_ID: 1},
+                total_num_scheduled_tokens=1,
+                finished_req_ids=[],
+                preempted_req_ids=[],
+            )
+        )
 
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.get_stats()

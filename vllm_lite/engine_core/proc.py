@@ -60,6 +60,8 @@ OUTPUT_HEARTBEAT_S = 1.0
 HEARTBEAT_TIMEOUT_MS = 5000
 # A frontend that disconnected and is not back after this long is gone for good.
 FRONTEND_GRACE_S = 3.0
+# DP lockstep: how long an idle rank waits for input before the ranks next agree on "any work?".
+LOCKSTEP_IDLE_WAIT_S = 0.02
 
 
 @dataclass(frozen=True)
@@ -120,6 +122,8 @@ def run_engine_core(config: EngineConfig, identity: EngineIdentity) -> None:
     )
     receiver: MessageReceiver[HandshakeToEngine] = MessageReceiver(handshake, HandshakeToEngine, "handshake")
     addresses = _wait_for_addresses(receiver, identity.handshake_timeout_s)
+    dp_group = None
+    lockstep = config.parallel_config.data_parallel_lockstep and dp.size > 1
     try:
         if dp.size > 1:
             if store is None:
@@ -127,14 +131,14 @@ def run_engine_core(config: EngineConfig, identity: EngineIdentity) -> None:
                 store = create_store(master, addresses.dp_master_port)
             dp_group = DPGroup.create(dp, store)
             dp_group.check_agreement("the engine config", config_hash(config))
-        core = EngineCore(config)
+        core = EngineCore(config, reserve_dummy_block=lockstep)
     except BaseException as exc:
         logger.exception("engine core %d failed to start", dp_rank)
         sender.send(EngineDead(engine_index=dp_rank, reason=f"startup failed: {exc!r}"))
         handshake.close(linger=FLUSH_ON_EXIT_MS)
         context.term()
         sys.exit(1)
-    proc = EngineCoreProc(core, dp_rank, addresses, context)
+    proc = EngineCoreProc(core, dp_rank, addresses, context, dp_group=dp_group, lockstep=lockstep)
     sender.send(
         Ready(
             dp_rank=dp_rank,
@@ -146,10 +150,17 @@ def run_engine_core(config: EngineConfig, identity: EngineIdentity) -> None:
         )
     )
     handshake.close(linger=FLUSH_ON_EXIT_MS)
+    code = 1
     try:
         proc.run_busy_loop()
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
     finally:
         core.shutdown()
+        logging.shutdown()
+        # No interpreter teardown: the C++ destructors of the DP group's gloo threads can abort
+        # when the other ranks exit at the same moment, turning a clean stop into a SIGABRT.
+        os._exit(code)
 
 
 def _wait_for_addresses(receiver: MessageReceiver[HandshakeToEngine], timeout_s: float) -> HandshakeAddresses:
@@ -188,10 +199,15 @@ class EngineCoreProc:
         addresses: HandshakeAddresses,
         context: zmq.Context,
         on_frontend_gone: Callable[[], None] = lambda: os._exit(0),
+        dp_group: DPGroup | None = None,
+        lockstep: bool = False,
     ) -> None:
         self.core = core
         self.engine_index = engine_index
         self._on_frontend_gone = on_frontend_gone
+        self.dp_group = dp_group
+        self.lockstep = lockstep
+        self.num_steps = 0
         self.input_queue: queue.Queue[ToEngine] = queue.Queue()
         self.output_queue: queue.Queue[msgspec.Struct | None] = queue.Queue()
         self._input_socket = make_socket(
@@ -222,10 +238,12 @@ class EngineCoreProc:
         """Serve forever; on a fatal error tell the frontend (EngineDead) and exit non-zero."""
         try:
             while True:
-                self._process_input(block=not self.core.has_unfinished_requests())
-                outputs = self.core.step()
-                if outputs:
-                    self._send_outputs(outputs)
+                if self.dp_group is not None and self.lockstep:
+                    self._lockstep_iteration(self.dp_group)
+                else:
+                    self._process_input(wait_s=0 if self.core.has_unfinished_requests() else None)
+                    if self.core.has_unfinished_requests():
+                        self._step()
         except SystemExit:
             raise
         except BaseException as exc:
@@ -237,10 +255,33 @@ class EngineCoreProc:
             self._output_thread.join(timeout=FLUSH_ON_EXIT_MS / 1000 + 1)
             sys.exit(1)
 
-    def _process_input(self, block: bool) -> None:
-        """Handle every queued message; when idle, wait for the first one."""
-        if block:
-            self._handle(self.input_queue.get())
+    def _step(self) -> None:
+        outputs = self.core.step()
+        self.num_steps += 1
+        if outputs:
+            self._send_outputs(outputs)
+
+    def _lockstep_iteration(self, dp_group: DPGroup) -> None:
+        """DP lockstep: all ranks agree each iteration whether any has work; if one has, every
+        rank steps (a dummy forward where there is nothing to do), so ranks stay in waves."""
+        has_work = self.core.has_unfinished_requests()
+        self._process_input(wait_s=0 if has_work else LOCKSTEP_IDLE_WAIT_S)
+        has_work = self.core.has_unfinished_requests()
+        if dp_group.all_reduce([1.0 if has_work else 0.0])[0] == 0:
+            return  # nobody has work: the wave is over (or never started)
+        if has_work:
+            self._step()
+        else:
+            self.core.dummy_step()
+            self.num_steps += 1
+
+    def _process_input(self, wait_s: float | None) -> None:
+        """Handle every queued message, first waiting up to `wait_s` (None: forever) for one."""
+        if wait_s != 0:
+            try:
+                self._handle(self.input_queue.get(timeout=wait_s))
+            except queue.Empty:
+                return
         while True:
             try:
                 message = self.input_queue.get_nowait()
@@ -285,6 +326,7 @@ class EngineCoreProc:
             prefix_cache_queries=s.prefix_cache_queries,
             prefix_cache_hits=s.prefix_cache_hits,
             num_preemptions=s.num_preemptions,
+            num_steps=self.num_steps,
         )
 
     def _send_outputs(self, outputs: list[EngineCoreOutput]) -> None:

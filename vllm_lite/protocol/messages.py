@@ -81,6 +81,8 @@ class EngineStats(msgspec.Struct, frozen=True):
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
+    # Forward passes run so far (dummy ones of DP lockstep included).
+    num_steps: int = 0
 
 
 class EngineCoreOutputs(msgspec.Struct, frozen=True, tag="outputs"):
