@@ -23,6 +23,7 @@ from vllm_lite.protocol.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineDead,
+    EngineStats,
     FromEngine,
     HandshakeAddresses,
     HandshakeToEngine,
@@ -164,9 +165,7 @@ class FailingCore:
         return []
 
     def get_stats(self):
-        from vllm_lite.engine_core.scheduler import SchedulerStats
-
-        return SchedulerStats(0, 0, 0.0, 0, 0, 0)
+        return EngineStats(num_running=0, num_waiting=0, kv_cache_usage=0.0)
 
     @property
     def scheduler(self):
@@ -206,10 +205,7 @@ def test_busy_loop_refuses_bad_requests_alone_and_reports_a_fatal_error(runtime_
             while True:
                 assert frontend_out.poll(5000)
                 message = decoder.decode(frontend_out.recv())
-                heartbeat = (
-                    isinstance(message, EngineCoreOutputs) and not message.outputs and message.stats is None
-                )
-                if not heartbeat:
+                if not (isinstance(message, EngineCoreOutputs) and message.is_heartbeat):
                     return message
 
         send(UtilityCall(call_id=1, method="no_such_method"))

@@ -88,39 +88,16 @@ def http(server: OpenAIServer):
 # ------------------------------------------------------------------------------ helpers
 
 
-def stream_completion(client: openai.OpenAI, **kwargs: Any) -> dict[str, Any]:
-    """Consume a streamed completion: text and finish reason per choice index, usage, chunks."""
-    texts: dict[int, str] = {}
-    finish: dict[int, str | None] = {}
-    logprobs: dict[int, list[Any]] = {}
-    usage = None
-    chunks = []
-    for chunk in client.completions.create(stream=True, **kwargs):
-        chunks.append(chunk)
-        if chunk.usage is not None:
-            assert usage is None, "two usage chunks"
-            assert chunk.choices == [], "the usage chunk carries no choices"
-            usage = chunk.usage
-        for c in chunk.choices:
-            assert usage is None, "a choice after the usage chunk"
-            texts[c.index] = texts.get(c.index, "") + c.text
-            if c.finish_reason is not None:
-                assert finish.get(c.index) is None, "two finish reasons for one choice"
-            finish[c.index] = c.finish_reason or finish.get(c.index)
-            if c.logprobs is not None:
-                logprobs.setdefault(c.index, []).append(c.logprobs)
-    return {"texts": texts, "finish": finish, "usage": usage, "chunks": chunks, "logprobs": logprobs}
-
-
-def stream_chat(client: openai.OpenAI, **kwargs: Any) -> dict[str, Any]:
-    """Consume a streamed chat completion (same shape as stream_completion's result)."""
+def _consume(stream: Any, text_of: Any, logprobs_of: Any) -> dict[str, Any]:
+    """Read a stream of chunks, checking its shape: text, finish reason, logprobs and role per
+    choice index, the usage chunk (last, without choices), and the chunks themselves."""
     texts: dict[int, str] = {}
     finish: dict[int, str | None] = {}
     logprobs: dict[int, list[Any]] = {}
     roles: dict[int, str] = {}
     usage = None
     chunks = []
-    for chunk in client.chat.completions.create(stream=True, **kwargs):
+    for chunk in stream:
         chunks.append(chunk)
         if chunk.usage is not None:
             assert usage is None, "two usage chunks"
@@ -128,14 +105,16 @@ def stream_chat(client: openai.OpenAI, **kwargs: Any) -> dict[str, Any]:
             usage = chunk.usage
         for c in chunk.choices:
             assert usage is None, "a choice after the usage chunk"
-            if c.delta.role is not None:
-                roles[c.index] = c.delta.role
-            texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+            role = getattr(getattr(c, "delta", None), "role", None)
+            if role is not None:
+                roles[c.index] = role
+            texts[c.index] = texts.get(c.index, "") + (text_of(c) or "")
             if c.finish_reason is not None:
                 assert finish.get(c.index) is None, "two finish reasons for one choice"
             finish[c.index] = c.finish_reason or finish.get(c.index)
-            if c.logprobs is not None and c.logprobs.content:
-                logprobs.setdefault(c.index, []).extend(c.logprobs.content)
+            pieces = logprobs_of(c)
+            if pieces:
+                logprobs.setdefault(c.index, []).extend(pieces)
     return {
         "texts": texts,
         "finish": finish,
@@ -144,6 +123,24 @@ def stream_chat(client: openai.OpenAI, **kwargs: Any) -> dict[str, Any]:
         "logprobs": logprobs,
         "roles": roles,
     }
+
+
+def stream_completion(client: openai.OpenAI, **kwargs: Any) -> dict[str, Any]:
+    """Consume a streamed completion: logprobs are the per-chunk logprobs objects."""
+    return _consume(
+        client.completions.create(stream=True, **kwargs),
+        text_of=lambda c: c.text,
+        logprobs_of=lambda c: [c.logprobs] if c.logprobs is not None else [],
+    )
+
+
+def stream_chat(client: openai.OpenAI, **kwargs: Any) -> dict[str, Any]:
+    """Consume a streamed chat completion: logprobs are the token entries of `logprobs.content`."""
+    return _consume(
+        client.chat.completions.create(stream=True, **kwargs),
+        text_of=lambda c: c.delta.content,
+        logprobs_of=lambda c: c.logprobs.content if c.logprobs is not None and c.logprobs.content else [],
+    )
 
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")

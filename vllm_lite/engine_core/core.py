@@ -9,9 +9,9 @@ import time
 from vllm_lite.config import EngineConfig
 from vllm_lite.engine_core.executor import Executor, UniProcExecutor
 from vllm_lite.engine_core.request import Request
-from vllm_lite.engine_core.scheduler import Scheduler, SchedulerStats
+from vllm_lite.engine_core.scheduler import Scheduler
 from vllm_lite.inputs import validate_prompt_token_ids
-from vllm_lite.protocol.messages import EngineCoreOutput, EngineCoreRequest
+from vllm_lite.protocol.messages import EngineCoreOutput, EngineCoreRequest, EngineStats
 from vllm_lite.protocol.sampling_params import SamplingParams
 from vllm_lite.protocol.step import NewRequestData, SchedulerOutput
 
@@ -116,7 +116,7 @@ class EngineCore:
             )
         )
 
-    def get_stats(self) -> SchedulerStats:
+    def get_stats(self) -> EngineStats:
         return self.scheduler.get_stats()
 
     def shutdown(self) -> None:

@@ -318,16 +318,7 @@ class EngineCoreProc:
             return UtilityResult(call_id=call.call_id, error=f"{type(exc).__name__}: {exc}")
 
     def _stats(self) -> EngineStats:
-        s = self.core.get_stats()
-        return EngineStats(
-            num_running=s.num_running,
-            num_waiting=s.num_waiting,
-            kv_cache_usage=s.kv_cache_usage,
-            prefix_cache_queries=s.prefix_cache_queries,
-            prefix_cache_hits=s.prefix_cache_hits,
-            num_preemptions=s.num_preemptions,
-            num_steps=self.num_steps,
-        )
+        return msgspec.structs.replace(self.core.get_stats(), num_steps=self.num_steps)
 
     def _send_outputs(self, outputs: list[EngineCoreOutput]) -> None:
         self.output_queue.put(

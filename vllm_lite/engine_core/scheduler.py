@@ -18,12 +18,11 @@ import bisect
 import time
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 from vllm_lite.config import CacheConfig, SchedulerConfig
 from vllm_lite.engine_core.kv_cache_manager import KVCacheManager
 from vllm_lite.engine_core.request import Request, RequestStatus
-from vllm_lite.protocol.messages import EngineCoreOutput
+from vllm_lite.protocol.messages import EngineCoreOutput, EngineStats
 from vllm_lite.protocol.step import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -31,18 +30,6 @@ from vllm_lite.protocol.step import (
     SampleLogprobs,
     SchedulerOutput,
 )
-
-
-@dataclass(frozen=True)
-class SchedulerStats:
-    """A snapshot of the scheduler for metrics and the DP coordinator."""
-
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
 
 
 class Scheduler:
@@ -114,9 +101,10 @@ class Scheduler:
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
 
-    def get_stats(self) -> SchedulerStats:
+    def get_stats(self) -> EngineStats:
+        """A snapshot of the load, as engines publish it (step counts are the engine's own)."""
         kv = self.kv_cache_manager
-        return SchedulerStats(
+        return EngineStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
             kv_cache_usage=kv.usage,

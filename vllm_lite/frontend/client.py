@@ -90,7 +90,6 @@ class AsyncEngineClient:
         self._utility_calls: dict[int, tuple[int, asyncio.Future[bytes]]] = {}
         self.metrics = metrics
         self.output_processor = OutputProcessor(metrics)
-        self.engine_stats: dict[int, EngineStats] = {}
         # The tokenizer (seconds for a GGUF) loads while the engines load their models.
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             tokenizer = None if skip_tokenizer_init else pool.submit(load_tokenizer, config.model_config)
@@ -197,14 +196,12 @@ class AsyncEngineClient:
         """Fresh load figures from one engine core (a round trip through its busy loop)."""
         raw = await self._call_utility(engine_index, "get_stats")
         stats = msgspec.msgpack.decode(raw, type=EngineStats)
-        self.engine_stats[engine_index] = stats
-        if self.metrics is not None:
-            self.metrics.update_engine_stats(engine_index, stats)
+        self._record_stats(engine_index, stats)
         return stats
 
     async def reset_prefix_cache(self) -> None:
         """Drop every engine's cached prefix blocks that no running request uses."""
-        for rank in self._live_engines():
+        for rank in self.live_engines():
             await self._call_utility(rank, "reset_prefix_cache")
 
     @property
@@ -244,7 +241,8 @@ class AsyncEngineClient:
             rank, why = min(dead.items())
             raise EngineDeadError(f"engine core {rank} is dead ({why})")
 
-    def _live_engines(self) -> list[int]:
+    def live_engines(self) -> list[int]:
+        """The DP ranks whose engine core is alive."""
         dead = self.dead_engines
         return [rank for rank in sorted(self._core.ready) if rank not in dead]
 
@@ -258,7 +256,7 @@ class AsyncEngineClient:
             if pinned in self.dead_engines:
                 raise EngineDeadError(f"engine core {pinned} is dead ({self.dead_engines[pinned]})")
             return pinned
-        live = self._live_engines()
+        live = self.live_engines()
         if not live:
             raise EngineDeadError("every engine core is dead")
         return self.balancer.choose(live)
@@ -312,10 +310,7 @@ class AsyncEngineClient:
     def _handle_message(self, message: FromEngine) -> None:
         if isinstance(message, EngineCoreOutputs):
             if message.stats is not None:
-                self.engine_stats[message.engine_index] = message.stats
-                self.balancer.update_stats(message.engine_index, message.stats)
-                if self.metrics is not None:
-                    self.metrics.update_engine_stats(message.engine_index, message.stats)
+                self._record_stats(message.engine_index, message.stats)
             to_abort = self.output_processor.process_outputs(message.outputs)
             self._send_abort(message.engine_index, to_abort)
         elif isinstance(message, UtilityResult):
@@ -326,6 +321,12 @@ class AsyncEngineClient:
                 future.set_exception(RequestError(message.error))
             else:
                 future.set_result(message.result)
+
+    def _record_stats(self, rank: int, stats: EngineStats) -> None:
+        """Fresh load figures of a rank, for the balancer and the metrics."""
+        self.balancer.update_stats(rank, stats)
+        if self.metrics is not None:
+            self.metrics.update_engine_stats(rank, stats)
 
     def _fail_engine(self, rank: int, reason: str) -> None:
         error = EngineDeadError(f"engine core {rank} died: {reason}")

@@ -175,8 +175,8 @@ class EngineCoreClient:
             rank = getattr(message, "engine_index", None)
             if rank is not None:
                 self.last_heard[rank] = time.monotonic()
-            if isinstance(message, EngineCoreOutputs) and not message.outputs and message.stats is None:
-                continue  # a heartbeat: noted above, nothing for the client
+            if isinstance(message, EngineCoreOutputs) and message.is_heartbeat:
+                continue  # noted above, nothing for the client
             if isinstance(message, EngineDead):
                 self._engine_died(message.engine_index, message.reason)
             else:

@@ -58,6 +58,27 @@ _REQUEST_BUCKETS = (
 )
 
 
+# (EngineStats field, metric family, name, help) of every per-engine metric.
+_ENGINE_METRICS = (
+    ("num_running", GaugeMetricFamily, "num_requests_running", "Requests being computed by an engine core."),
+    ("num_waiting", GaugeMetricFamily, "num_requests_waiting", "Requests queued in an engine core."),
+    ("kv_cache_usage", GaugeMetricFamily, "kv_cache_usage_perc", "Share of KV-cache blocks in use (0 to 1)."),
+    (
+        "prefix_cache_queries",
+        CounterMetricFamily,
+        "prefix_cache_queries",
+        "Prompt tokens looked up in the prefix cache.",
+    ),
+    (
+        "prefix_cache_hits",
+        CounterMetricFamily,
+        "prefix_cache_hits",
+        "Prompt tokens served from the prefix cache.",
+    ),
+    ("num_preemptions", CounterMetricFamily, "num_preemptions", "Requests preempted (KV cache full)."),
+)
+
+
 class _EngineStatsCollector(Collector):
     """Reports the latest stats of every engine core at scrape time."""
 
@@ -67,32 +88,11 @@ class _EngineStatsCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         labels = ["model_name", "engine"]
-        # Keyed by the EngineStats field each family reports.
-        families = {
-            "num_running": GaugeMetricFamily(
-                PREFIX + "num_requests_running", "Requests being computed by an engine core.", labels=labels
-            ),
-            "num_waiting": GaugeMetricFamily(
-                PREFIX + "num_requests_waiting", "Requests queued in an engine core.", labels=labels
-            ),
-            "kv_cache_usage": GaugeMetricFamily(
-                PREFIX + "kv_cache_usage_perc", "Share of KV-cache blocks in use (0 to 1).", labels=labels
-            ),
-            "prefix_cache_queries": CounterMetricFamily(
-                PREFIX + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", labels=labels
-            ),
-            "prefix_cache_hits": CounterMetricFamily(
-                PREFIX + "prefix_cache_hits", "Prompt tokens served from the prefix cache.", labels=labels
-            ),
-            "num_preemptions": CounterMetricFamily(
-                PREFIX + "num_preemptions", "Requests preempted (KV cache full).", labels=labels
-            ),
-        }
-        for engine, stats in sorted(self.stats.items()):
-            values = [self.model_name, str(engine)]
-            for name, family in families.items():
-                family.add_metric(values, float(getattr(stats, name)))
-        yield from families.values()
+        for field, kind, name, doc in _ENGINE_METRICS:
+            family = kind(PREFIX + name, doc, labels=labels)
+            for engine, stats in sorted(self.stats.items()):
+                family.add_metric([self.model_name, str(engine)], float(getattr(stats, field)))
+            yield family
 
 
 class Metrics:

@@ -93,6 +93,11 @@ class EngineCoreOutputs(msgspec.Struct, frozen=True, tag="outputs"):
     stats: EngineStats | None = None
     timestamp: float = 0.0
 
+    @property
+    def is_heartbeat(self) -> bool:
+        """Sent by an idle engine each second: "alive, nothing to say"."""
+        return not self.outputs and self.stats is None
+
 
 class EngineDead(msgspec.Struct, frozen=True, tag="engine_dead"):
     """Sent by an engine core on a fatal error, just before it exits (on the output socket, or on

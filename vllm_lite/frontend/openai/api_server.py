@@ -195,11 +195,8 @@ def build_app(client: AsyncEngineClient, server: ServerConfig) -> FastAPI:
     async def metrics() -> Response:
         # Fresh engine figures: after aborts no step may have reported the lower load yet.
         with contextlib.suppress(Exception):
-            ranks = sorted(client.num_kv_blocks)
-            await asyncio.wait_for(
-                asyncio.gather(*(client.get_engine_stats(r) for r in ranks if r not in client.dead_engines)),
-                STATS_TIMEOUT_S,
-            )
+            fresh = (client.get_engine_stats(rank) for rank in client.live_engines())
+            await asyncio.wait_for(asyncio.gather(*fresh), STATS_TIMEOUT_S)
         assert client.metrics is not None
         return Response(client.metrics.render(), media_type=CONTENT_TYPE)
 
