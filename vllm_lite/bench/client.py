@@ -28,7 +28,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run, dataset="random")
 
 
-def _params(args: argparse.Namespace) -> SamplingParams:
+def workload_params(args: argparse.Namespace) -> SamplingParams:
+    """The benchmarks' sampling: fixed output length (`ignore_eos`), streamed as deltas."""
     return SamplingParams(
         temperature=args.temperature,
         max_tokens=args.output_len,
@@ -64,7 +65,11 @@ def run_in_process(core: Any, prompts: list[list[int]], params: SamplingParams, 
     return {"elapsed_s": elapsed, "output_tokens": generated, "tokens_per_s": generated / elapsed}
 
 
-async def _run_client(client: Any, prompts: list[list[int]], params: SamplingParams) -> dict[str, float]:
+async def run_through_client(
+    client: Any, prompts: list[list[int]], params: SamplingParams
+) -> dict[str, float]:
+    """Output tokens/s of the workload through `client`, after a warm-up on the same shapes."""
+
     async def one(prompt: list[int], params: SamplingParams = params) -> int:
         n = 0
         async for out in client.generate(prompt, params):
@@ -95,13 +100,13 @@ def run(args: argparse.Namespace) -> int:
     ).create_engine_config()
     tokenizer = load_tokenizer(config.model_config)
     prompts = make_prompts(config.model_config.vocab_size, set(tokenizer.all_special_ids), args)
-    params = _params(args)
+    params = workload_params(args)
 
     core = EngineCore(config)
     first = run_in_process(core, prompts, params, "a")
     client = AsyncEngineClient(config)
     try:
-        through_client = asyncio.run(_run_client(client, prompts, params))
+        through_client = asyncio.run(run_through_client(client, prompts, params))
     finally:
         client.shutdown()
     second = run_in_process(core, prompts, params, "b")

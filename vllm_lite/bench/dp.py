@@ -10,21 +10,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import time
-from typing import Any
 
+from vllm_lite.bench.client import run_through_client, workload_params
 from vllm_lite.config import EngineArgs
-from vllm_lite.protocol.sampling_params import RequestOutputKind, SamplingParams
-
-
-async def _serve(client: Any, prompts: list[list[int]], params: SamplingParams) -> int:
-    async def one(prompt: list[int], p: SamplingParams) -> int:
-        n = 0
-        async for out in client.generate(prompt, p):
-            n += sum(len(c.token_ids) for c in out.outputs)
-        return n
-
-    return sum(await asyncio.gather(*(one(p, params) for p in prompts)))
 
 
 def measure(args: argparse.Namespace, dp_size: int, prompts: list[list[int]]) -> dict[str, float]:
@@ -39,33 +27,12 @@ def measure(args: argparse.Namespace, dp_size: int, prompts: list[list[int]]) ->
         num_threads=args.num_threads,
         seed=args.seed,
     )
-    params = SamplingParams(
-        temperature=args.temperature,
-        max_tokens=args.output_len,
-        ignore_eos=True,
-        seed=args.seed,
-        output_kind=RequestOutputKind.DELTA,
-    )
-    warmup = SamplingParams(max_tokens=4, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
     client = AsyncEngineClient.from_engine_args(engine_args)
     try:
-
-        async def run() -> tuple[int, float]:
-            await _serve(client, prompts, warmup)
-            await client.reset_prefix_cache()
-            t0 = time.perf_counter()
-            generated = await _serve(client, prompts, params)
-            return generated, time.perf_counter() - t0
-
-        generated, elapsed = asyncio.run(run())
+        result = asyncio.run(run_through_client(client, prompts, workload_params(args)))
     finally:
         client.shutdown()
-    return {
-        "dp_size": dp_size,
-        "output_tokens": generated,
-        "elapsed_s": elapsed,
-        "tokens_per_s": generated / elapsed,
-    }
+    return {"dp_size": dp_size, **result}
 
 
 def run_dp_comparison(args: argparse.Namespace, prompts: list[list[int]]) -> int:
